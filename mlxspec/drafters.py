@@ -1,0 +1,170 @@
+"""Drafters propose tokens; the engine verifies them with exact acceptance.
+
+A drafter keeps whatever state it needs (a KV cache, an n-gram index) in step with the
+sequence the engine hands it, and returns lazy arrays: proposing builds an MLX graph that the
+engine evaluates together with verification, once per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from .errors import UnsupportedModelError
+from .sampling import SamplingParams, log_probs
+
+
+@dataclass
+class Draft:
+    tokens: mx.array  # (k,) uint32, may be lazy
+    q: mx.array | None  # (k, V_target) processed draft distribution; None: one-hot proposal
+    source: str  # which drafter proposed them ("model", "lookup", ...)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(Protocol):
+    name: str
+
+    def prefill(self, seq: Sequence[int]) -> None:
+        """Catch up with the sequence (prompt plus text so far) before the first round."""
+
+    def propose(
+        self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
+    ) -> Draft | None:
+        """Propose up to k tokens to follow seq (None or an empty draft: nothing to propose)."""
+
+    def commit(self, draft_tokens: list[int]) -> None:
+        """The round's draft tokens as ints, once the engine has evaluated them."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    m = min(len(a), len(b))
+    if list(a[:m]) == list(b[:m]):
+        return m
+    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
+    """Make draft logits (..., V_d) cover exactly the target's V entries: entries the target has
+    but the draft lacks get -inf (q = 0 there), entries past the target's size are dropped (the
+    draft's distribution is whatever it samples from; exactness only needs q to be that)."""
+    d = logits.shape[-1]
+    if d == vocab:
+        return logits
+    if d > vocab:
+        return logits[..., :vocab]
+    pad = mx.full((*logits.shape[:-1], vocab - d), -float("inf"), dtype=logits.dtype)
+    return mx.concatenate([logits, pad], axis=-1)
+
+
+class CachedLM:
+    """An mlx-lm model with its KV cache and the list of tokens that cache holds.
+
+    Rewinding is by common prefix with the true sequence, so rejected drafts, a stop token in
+    the middle of a round and a new chat turn are all the same operation: trim, then feed.
+    """
+
+    def __init__(self, model: nn.Module, role: str, prefill_step: int = 512):
+        self.model = model
+        self.role = role
+        self.prefill_step = prefill_step
+        self.cache = make_prompt_cache(model)
+        self.tokens: list[int] = []
+        bad = sorted({type(c).__name__ for c in self.cache if not c.is_trimmable()})
+        if bad:
+            name = getattr(model, "model_type", type(model).__name__)
+            raise UnsupportedModelError(
+                f"the {role} model ({name}) uses a KV cache that cannot be rewound "
+                f"({', '.join(bad)}); speculative decoding needs to drop rejected drafts. "
+                f"Use it without a draft, or pick an attention-only {role} model."
+            )
+
+    @property
+    def offset(self) -> int:
+        return len(self.tokens)
+
+    def rewind(self, n: int) -> None:
+        """Keep only the first n cached tokens."""
+        drop = len(self.tokens) - n
+        if drop > 0:
+            for c in self.cache:
+                c.trim(drop)
+            del self.tokens[n:]
+
+    def sync(self, seq: Sequence[int]) -> list[int]:
+        """Trim the cache to its common prefix with seq (keeping at least one token of seq to
+        feed) and return the tokens of seq still to feed."""
+        keep = min(common_prefix(self.tokens, seq), len(seq) - 1)
+        self.rewind(keep)
+        return list(seq[keep:])
+
+    def prefill(self, seq: Sequence[int]) -> None:
+        """Feed all of seq but its last token, in chunks, evaluating each chunk."""
+        todo = self.sync(seq)[:-1]
+        for i in range(0, len(todo), self.prefill_step):
+            chunk = todo[i : i + self.prefill_step]
+            self.model(mx.array(chunk, mx.uint32)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.tokens.extend(chunk)
+
+    def forward(self, tokens: mx.array, known: list[int] | None = None) -> mx.array:
+        """Feed tokens (T,) and return logits (T, V). `known` are their values when the caller
+        has them as ints; otherwise call `extend` once they are known."""
+        logits = self.model(tokens[None], cache=self.cache)[0]
+        if known is not None:
+            self.tokens.extend(known)
+        return logits
+
+
+class ModelDrafter:
+    """A small model of the same family proposes k tokens autoregressively, keeping its full
+    processed distribution q at each position for exact acceptance."""
+
+    name = "model"
+
+    def __init__(self, model: nn.Module):
+        self.lm = CachedLM(model, "draft")
+        self._pending = 0  # drafted tokens fed to the cache whose values are not known yet
+
+    def prefill(self, seq: Sequence[int]) -> None:
+        self.lm.prefill(seq)
+
+    def propose(
+        self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
+    ) -> Draft | None:
+        if k <= 0:
+            return None
+        feed = self.lm.sync(seq)
+        y = mx.array(feed, mx.uint32)
+        keys = mx.random.split(key, k)
+        tokens, qs = [], []
+        for i in range(k):
+            logits = fit_vocab(self.lm.forward(y, known=feed if i == 0 else None)[-1], vocab)
+            if sp.greedy:
+                x = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            else:
+                lp = log_probs(logits, sp)
+                x = mx.random.categorical(lp, key=keys[i]).astype(mx.uint32)
+                qs.append(mx.exp(lp))
+            tokens.append(x)
+            y = x[None]
+        self._pending = k - 1  # x_k is sampled but not fed
+        return Draft(mx.stack(tokens), mx.stack(qs) if qs else None, self.name)
+
+    def commit(self, draft_tokens: list[int]) -> None:
+        self.lm.tokens.extend(draft_tokens[: self._pending])
+        self._pending = 0

@@ -1,0 +1,401 @@
+"""The speculative decoding loop: draft, verify in one target pass, accept exactly, rewind.
+
+One round:
+    seq                       prompt + tokens so far; the target cache holds all but the last
+    draft   x_1..x_k, q       drafter.propose (lazy)
+    verify  p_1..p_{k+1}      one target forward over [last, x_1..x_k] (lazy)
+    accept  n, t              exact rejection sampling / argmax match (lazy)
+    ---- the host waits here, once, for [x_1..x_k, t, n] ----
+    seq += x_1..x_n, t        caches are rewound by common prefix at the next round
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .accept import accept_greedy, accept_sampled
+from .drafters import CachedLM, Draft, Drafter, ModelDrafter
+from .errors import MlxspecError
+from .sampling import SamplingParams, probs, sample
+
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens actually computed (fewer when a session reuses its cache)
+    prefill_time: float = 0.0
+    generation_tokens: int = 0
+    decode_time: float = 0.0
+    rounds: int = 0  # target forward passes after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    draft_time: float | None = None  # measured only with profile=True (costs a host wait)
+    verify_time: float | None = None
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    tokens_by_source: dict[str, int] = field(default_factory=dict)  # emitted tokens per proposer
+    finish_reason: str | None = None  # "stop" (end-of-sequence token) or "length"
+    peak_memory: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens emitted per target forward pass (1.0 without speculation)."""
+        return self.generation_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generation_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    def position_acceptance(self) -> list[float]:
+        """How often draft position i was accepted when it was drafted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            tokens_per_round=self.tokens_per_round,
+            tokens_per_second=self.tokens_per_second,
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+            position_acceptance=self.position_acceptance(),
+        )
+        return d
+
+    def _record_round(self, k: int, n: int) -> None:
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        grow = k - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(k):
+            self.drafted_per_position[i] += 1
+        for i in range(n):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
+class Chunk:
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]  # one per token: True when the draft proposed it
+    stats: Stats
+    finish_reason: str | None = None  # set on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    num_draft: int = 4
+    seed: int | None = None
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if self.num_draft < 0:
+            raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
+
+
+class Session:
+    """KV caches kept across calls (a chat): a new call feeds only what differs from the
+    tokens the caches already hold."""
+
+    def __init__(self, target: nn.Module, drafter: Drafter | None):
+        self.target = CachedLM(target, "target")
+        self.drafter = drafter
+        self.tokens: list[int] = []  # the sequence so far (prompt + generated)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.target.offset
+
+
+class Pair:
+    """A target model and an optional draft model, sharing one tokenizer."""
+
+    def __init__(self, target_model: nn.Module, draft_model: nn.Module | None = None, tokenizer=None):
+        self.target = target_model
+        self.draft = draft_model
+        self.tokenizer = tokenizer
+        self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if tokenizer is not None and not self.eos_token_ids and tokenizer.eos_token_id is not None:
+            self.eos_token_ids = {tokenizer.eos_token_id}
+        self.vocab_size = _vocab_size(target_model)
+
+    # -- prompts -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            bos = getattr(self.tokenizer, "bos_token", None)
+            add_special = not (bos and prompt.startswith(bos))
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            if self.tokenizer is None:
+                raise ValueError("chat messages need a tokenizer with a chat template")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("this tokenizer has no chat template; pass plain text instead")
+            text = self.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=False
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return ids
+
+    def make_drafter(self, use_draft: bool = True) -> Drafter | None:
+        if use_draft and self.draft is not None:
+            return ModelDrafter(self.draft)
+        return None
+
+    def new_session(self, use_draft: bool = True) -> Session:
+        return Session(self.target, self.make_drafter(use_draft))
+
+    # -- public API ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        num_draft: int = 4,
+        seed: int | None = None,
+        session: Session | None = None,
+        profile: bool = False,
+    ) -> GenerationResult:
+        tokens: list[int] = []
+        from_draft: list[bool] = []
+        text = []
+        stats = Stats()
+        for chunk in self.stream(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, num_draft=num_draft, seed=seed, session=session, profile=profile,
+        ):
+            tokens += chunk.tokens
+            from_draft += chunk.from_draft
+            text.append(chunk.text)
+            stats = chunk.stats
+        return GenerationResult("".join(text), tokens, from_draft, stats)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        num_draft: int = 4,
+        seed: int | None = None,
+        session: Session | None = None,
+        profile: bool = False,
+    ) -> Iterator[Chunk]:
+        config = GenerationConfig(
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature, top_p, top_k, min_p),
+            num_draft=num_draft,
+            seed=seed,
+            profile=profile,
+        )
+        ids = self.encode(prompt)
+        return self._stream(ids, config, session or self.new_session(num_draft > 0))
+
+    # -- the loop ------------------------------------------------------------------------
+    def _stream(self, ids: list[int], cfg: GenerationConfig, session: Session) -> Iterator[Chunk]:
+        stats = Stats(prompt_tokens=len(ids))
+        if cfg.profile:
+            stats.draft_time = stats.verify_time = 0.0
+        detok = self.tokenizer.detokenizer if self.tokenizer is not None else None
+        if detok is not None:
+            detok.reset()
+        seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(7), "little")
+        key = mx.random.key(seed)
+        target, drafter, sp = session.target, session.drafter, cfg.sampling
+        if drafter is not None and cfg.num_draft == 0:
+            drafter = None
+
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        reused = common_prefix_len(target.tokens, ids)
+        target.prefill(ids)
+        if drafter is not None:
+            drafter.prefill(ids)
+        mx.eval([c.state for c in target.cache])
+        stats.prefill_tokens = len(ids) - 1 - min(reused, len(ids) - 1)
+        stats.prefill_time = time.perf_counter() - tic
+
+        seq = list(ids)
+        session.tokens = seq
+        produced = 0
+        tic = time.perf_counter()
+        rounds = (
+            self._plain_rounds(target, seq, cfg, key, stats)
+            if drafter is None
+            else self._spec_rounds(target, drafter, seq, cfg, key, stats)
+        )
+        try:
+            for new, n_draft, source in rounds:
+                # new: the round's tokens (n accepted drafts, then the target's token)
+                finish = None
+                emit = new
+                for i, t in enumerate(new):
+                    if t in self.eos_token_ids:
+                        emit, finish = new[:i], "stop"
+                        break
+                if finish is None and produced + len(emit) >= cfg.max_tokens:
+                    emit, finish = emit[: cfg.max_tokens - produced], "length"
+                # the sequence keeps a stop token (a chat turn ends with it), not tokens past it
+                seq.extend(emit + [new[len(emit)]] if finish == "stop" else emit)
+                produced += len(emit)
+                flags = [i < n_draft for i in range(len(emit))]
+                stats.generation_tokens = produced
+                for f in flags:
+                    src = source if f else "target"
+                    stats.tokens_by_source[src] = stats.tokens_by_source.get(src, 0) + 1
+                stats.decode_time = time.perf_counter() - tic
+                text = ""
+                if detok is not None:
+                    for t in emit:
+                        detok.add_token(t)
+                    if finish is not None:
+                        detok.finalize()
+                    text = detok.last_segment
+                if finish is not None:
+                    stats.finish_reason = finish
+                    stats.peak_memory = mx.get_peak_memory()
+                    yield Chunk(text, emit, flags, stats, finish)
+                    return
+                yield Chunk(text, emit, flags, stats)
+        finally:
+            rounds.close()  # the caches may hold rejected or unused tokens: the next sync trims them
+            session.tokens = seq
+
+    def _plain_rounds(
+        self, target: CachedLM, seq: list[int], cfg: GenerationConfig, key: mx.array, stats: Stats
+    ) -> Iterator[tuple[list[int], int, str]]:
+        """Target alone, pipelined like mlx-lm: the next step's graph is queued before the host
+        reads the current token."""
+        sp = cfg.sampling
+
+        def step(y: mx.array, key: mx.array) -> mx.array:
+            logits = target.forward(y)[-1]
+            return sample(logits, sp, key)
+
+        feed = target.sync(seq)
+        target.tokens.extend(feed)
+        key, sub = mx.random.split(key)
+        y = step(mx.array(feed, mx.uint32), sub)
+        mx.async_eval(y)
+        while True:
+            key, sub = mx.random.split(key)
+            nxt = step(y[None], sub)
+            mx.async_eval(nxt)
+            t = y.item()
+            target.tokens.append(t)
+            stats._record_round(0, 0)
+            yield [t], 0, "target"
+            y = nxt
+
+    def _spec_rounds(
+        self,
+        target: CachedLM,
+        drafter: Drafter,
+        seq: list[int],
+        cfg: GenerationConfig,
+        key: mx.array,
+        stats: Stats,
+    ) -> Iterator[tuple[list[int], int, str]]:
+        sp = cfg.sampling
+        produced = 0
+        while True:
+            key, k_draft, k_accept = mx.random.split(key, 3)
+            k = min(cfg.num_draft, cfg.max_tokens - produced - 1)
+            t0 = time.perf_counter()
+            draft = drafter.propose(seq, k, sp, k_draft, self.vocab_size) if k > 0 else None
+            if draft is not None and draft.size == 0:
+                draft = None
+            if cfg.profile and draft is not None:
+                mx.eval([a for a in (draft.tokens, draft.q) if a is not None])
+                stats.draft_time += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            n, token = self._verify(target, seq, draft, sp, k_accept)
+            k = draft.size if draft is not None else 0
+            parts = [token[None], n[None].astype(mx.uint32)]
+            if draft is not None:
+                parts.insert(0, draft.tokens)
+            vals = mx.concatenate(parts).tolist()  # the one host wait of the round
+            if cfg.profile:
+                stats.verify_time += time.perf_counter() - t1
+            n = vals[-1]
+            drafted = vals[:k]
+            target.tokens.extend(drafted)  # the target cache now holds seq + drafts
+            if draft is not None:
+                drafter.commit(drafted)
+            stats._record_round(k, n)
+            new = drafted[:n] + [vals[k]]
+            produced += len(new)
+            yield new, n, draft.source if draft is not None else "target"
+
+    def _verify(
+        self, target: CachedLM, seq: list[int], draft: Draft | None, sp: SamplingParams, key: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        feed = target.sync(seq)
+        inp = mx.array(feed, mx.uint32)
+        if draft is None:
+            logits = target.forward(inp, known=feed)[-1]
+            return mx.array(0), sample(logits, sp, key)
+        k = draft.size
+        inp = mx.concatenate([inp, draft.tokens])
+        logits = target.forward(inp, known=feed)[-(k + 1):]  # (k+1, V)
+        if sp.greedy:
+            return accept_greedy(draft.tokens, logits)
+        return accept_sampled(draft.tokens, draft.q, probs(logits, sp), key)
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """The width of the model's logits (the embedding may be padded past the tokenizer)."""
+    cache = None
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+        return int(model(mx.array([[0]], mx.uint32), cache=cache).shape[-1])  # shape only: not evaluated
+    except Exception as e:  # pragma: no cover - a model that cannot run one token
+        raise MlxspecError(f"cannot run {type(model).__name__} on one token: {e}") from e
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    from .drafters import common_prefix
+
+    return common_prefix(a, b)
