@@ -529,7 +529,8 @@ def summarize_runs(runs: Sequence[Run], costs: Costs, cfg: BenchConfig) -> dict:
             "ttft_s": summarize([r.ttft for r in rs]),
             "peak_memory_bytes": max(r.peak_memory for r in rs),
             "rounds": sum(r.rounds for r in rs),
-            "tokens_per_pass": sum(r.tokens for r in rs) / max(1, sum(r.rounds for r in rs)),
+            # each target pass emits its accepted drafts and one token of its own
+            "tokens_per_pass": 1.0 + sum(r.accepted for r in rs) / max(1, sum(r.rounds for r in rs)),
         }
         if engine != "mlxspec" and ("mlxspec", 0) in by:
             ours = per_group("mlxspec", 0)
@@ -589,7 +590,7 @@ def _acceptance_and_prediction(rs: Sequence[Run], k: int, costs: Costs) -> dict:
     alpha = iid_alpha(acc, dr)
     e_tokens = expected_tokens(surv, k)
     passes = sum(r.rounds for r in rs)
-    measured_tpp = sum(r.tokens for r in rs) / passes if passes else 0.0
+    measured_tpp = 1.0 + accepted / passes if passes else 0.0
     pred = predicted_speedup(e_tokens, k, costs.c, costs.v)
     return {
         "drafted": drafted,
@@ -627,6 +628,11 @@ def describe_machine(m: dict) -> str:
     if m.get("blas"):
         parts.append(f"BLAS: {m['blas']}")
     return ", ".join(parts)
+
+
+def _short(path) -> str:
+    """The last two parts of a model path (a pair folder's target is <pair>/target)."""
+    return "/".join(Path(str(path)).parts[-2:])
 
 
 def format_report(report: dict) -> str:
@@ -680,6 +686,54 @@ def format_report(report: dict) -> str:
     lines.append("")
     lines.append("recommendation: " + report["recommendation"]["text"])
     return "\n".join(lines)
+
+
+def format_markdown(report: dict) -> str:
+    """The short results table, for a README or an issue."""
+    st, costs, m = report["settings"], report["costs"], report.get("machine", {})
+    models = report.get("models", {})
+    mode = "greedy" if st["temperature"] == 0 else f"temperature {st['temperature']}, seeds {st['seeds']}"
+    theirs = {e["num_draft"]: e for e in report["results"] if e["engine"] == "mlx-lm"}
+    out = [
+        f"Target `{models.get('target')}`, draft `{models.get('draft')}`, {models.get('dtype')}; "
+        f"{len(report.get('prompts', []))} prompts ({', '.join(sorted({p['kind'] for p in report.get('prompts', [])}))}), "
+        f"{st['max_tokens']} tokens each, {mode}, {st['repeats']} repeats.  ",
+        f"Machine: {describe_machine(m)}.  ",
+        f"Costs: target step {costs['target_step_s'] * 1e3:.0f} ms, draft step {costs['draft_step_s'] * 1e3:.0f} ms "
+        f"(c = {costs['c']:.3f}); verify cost v(n) for n = 1..{len(costs['v'])}: "
+        + ", ".join(f"{x:.2f}" for x in costs["v"]) + ".",
+        "",
+        "| k | tokens/s | speedup, median [min-max] | acceptance | tokens/pass | predicted | achieved/predicted"
+        + (" | mlx-lm tokens/s | mlx-lm speedup |" if theirs else " |"),
+        "|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if theirs else ""),
+    ]
+    for e in (e for e in report["results"] if e["engine"] == "mlxspec"):
+        k, sp = e["num_draft"], e["speedup"]
+        pred = e.get("predicted_speedup")
+        row = (
+            f"| {k if k else '0 (target alone)'} | {e['tokens_per_second']['median']:.2f} | "
+            f"{sp['median']:.2f}x [{sp['min']:.2f}-{sp['max']:.2f}] | "
+            f"{e['acceptance_rate']:.2f} | " if k else
+            f"| 0 (target alone) | {e['tokens_per_second']['median']:.2f} | 1.00x | - | "
+        )
+        row += f"{e['tokens_per_pass']:.2f} | " + (f"{pred:.2f}x | {sp['median'] / pred:.2f} |" if pred else "- | - |")
+        if theirs:
+            t = theirs.get(k)
+            row += (f" {t['tokens_per_second']['median']:.2f} | {t['speedup']['median']:.2f}x |" if t else " - | - |")
+        out.append(row)
+    base = next((e for e in report["results"] if e["engine"] == "mlxspec" and e["num_draft"] == 0), None)
+    if base is not None:
+        best = report["recommendation"].get("num_draft")
+        be = next((e for e in report["results"] if e["engine"] == "mlxspec" and e["num_draft"] == best), None)
+        line = f"Time to first token: {base['ttft_s']['median']:.2f} s alone"
+        if be is not None:
+            line += f", {be['ttft_s']['median']:.2f} s at k={best}"
+        line += f"; peak memory {_gib(base['peak_memory_bytes'])} alone"
+        if be is not None:
+            line += f", {_gib(be['peak_memory_bytes'])} at k={best}"
+        out += ["", line + "."]
+    out += ["", f"Recommendation: {report['recommendation']['text']}."]
+    return "\n".join(out) + "\n"
 
 
 def write_plot(report: dict, path: str | Path) -> None:
@@ -747,7 +801,7 @@ def write_plot(report: dict, path: str | Path) -> None:
 
     m = report.get("machine", {})
     models = report.get("models", {})
-    title = f"{Path(str(models.get('target', 'target'))).name} + {Path(str(models.get('draft', 'draft'))).name}"
+    title = f"{_short(models.get('target', 'target'))} + {_short(models.get('draft', 'draft'))}"
     st = report["settings"]
     mode = "greedy" if st["temperature"] == 0 else f"T={st['temperature']}"
     fig.suptitle(f"mlxspec bench: {title}, {models.get('dtype', '')}, {mode}, {st['max_tokens']} tokens\n"
@@ -808,6 +862,8 @@ BENCH_OPTIONS = [
     click.option("--warmup/--no-warmup", default=True, show_default=True, help="Run every setting once before timing."),
     click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Write every number here."),
     click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG plot here."),
+    click.option("--markdown", "md_out", type=click.Path(dir_okay=False), default=None,
+                 help="Write the short results table here (Markdown)."),
     click.option("--quiet", "-q", is_flag=True, help="No progress lines."),
 ]
 
@@ -821,7 +877,7 @@ def _with_options(f):
 @click.command("bench")
 @_with_options
 def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prompt_file, kinds, limit,
-                  temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, quiet) -> None:
+                  temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, md_out, quiet) -> None:
     """Measure whether speculation is faster for a pair on this machine, and with which draft length.
 
     Runs a prompt suite with the target alone and with speculation for each draft length, and
@@ -857,3 +913,6 @@ def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prom
     if plot_out:
         write_plot(report, plot_out)
         click.echo(f"wrote {plot_out}")
+    if md_out:
+        Path(md_out).write_text(format_markdown(report))
+        click.echo(f"wrote {md_out}")

@@ -112,12 +112,13 @@ def test_summarize_runs_on_known_numbers():
     # pooled acceptance: position 1 accepted 24 of 36 times, position 2 16 of 36
     assert spec["acceptance_rate"] == pytest.approx(40 / 72)
     assert spec["position_acceptance"] == pytest.approx([24 / 36, 16 / 36])
-    assert spec["tokens_per_pass"] == pytest.approx(80 / 36)
+    assert spec["tokens_per_pass"] == pytest.approx(1 + 40 / 36)
+    assert base["tokens_per_pass"] == 1.0
     e = 1 + 24 / 36 + 16 / 36
     assert spec["expected_tokens_per_round"] == pytest.approx(e)
     assert spec["round_cost"] == pytest.approx(2 * 0.2 + 1.2)
     assert spec["predicted_speedup"] == pytest.approx(e / 1.6)
-    assert spec["predicted_speedup_from_tokens_per_pass"] == pytest.approx(80 / 36 / 1.6)
+    assert spec["predicted_speedup_from_tokens_per_pass"] == pytest.approx((1 + 40 / 36) / 1.6)
     assert spec["peak_memory_bytes"] == 3000
     assert rep["recommendation"]["num_draft"] == 2
 
