@@ -136,9 +136,16 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, cost: float = 0.0):
         self.lm = CachedLM(model, "draft")
         self._pending = 0  # drafted tokens fed to the cache whose values are not known yet
+        self.costs = {self.name: cost}  # one draft step, in target steps (for adaptive length)
+        # Early stop (the engine sets these per generation): stop drafting once the draft's top
+        # probability for the next token falls below p_min, after at least min_tokens tokens.
+        # Reading that probability is a host wait per drafted token, so None (the default)
+        # keeps the single wait per round.
+        self.p_min: float | None = None
+        self.min_tokens = 1
 
     def prefill(self, seq: Sequence[int]) -> None:
         self.lm.prefill(seq)
@@ -154,6 +161,12 @@ class ModelDrafter:
         tokens, qs = [], []
         for i in range(k):
             logits = fit_vocab(self.lm.forward(y, known=feed if i == 0 else None)[-1], vocab)
+            if self.p_min is not None and i >= self.min_tokens and self._unsure(logits, sp):
+                # x_1..x_i are proposed and all of them were fed: the cache holds them
+                self._pending = i
+                if i == 0:
+                    return None
+                return Draft(mx.stack(tokens), mx.stack(qs) if qs else None, self.name)
             if sp.greedy:
                 x = mx.argmax(logits, axis=-1).astype(mx.uint32)
             else:
@@ -165,6 +178,98 @@ class ModelDrafter:
         self._pending = k - 1  # x_k is sampled but not fed
         return Draft(mx.stack(tokens), mx.stack(qs) if qs else None, self.name)
 
+    def _unsure(self, logits: mx.array, sp: SamplingParams) -> bool:
+        """The draft's top probability for the next token is below p_min: the distribution it
+        samples from, or its plain softmax when greedy (argmax has no spread). A host wait."""
+        if sp.greedy:
+            x = logits.astype(mx.float32)
+            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        else:
+            lp = log_probs(logits, sp)
+        return mx.exp(mx.max(lp)).item() < self.p_min
+
     def commit(self, draft_tokens: list[int]) -> None:
         self.lm.tokens.extend(draft_tokens[: self._pending])
         self._pending = 0
+
+
+class LookupDrafter:
+    """Prompt lookup decoding: propose what followed the most recent earlier occurrence of the
+    sequence's longest suffix n-gram (see lookup.py). A deterministic proposal is a one-hot q,
+    so exact acceptance keeps the target's distribution at any temperature; proposing reads
+    host-side ints only (no device work)."""
+
+    name = "lookup"
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        from .lookup import NGramIndex
+
+        self.index = NGramIndex(ngram_min, ngram_max)
+        self.costs = {self.name: 0.0}
+
+    def prefill(self, seq: Sequence[int]) -> None:
+        self.index.update(seq)
+
+    def propose(
+        self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
+    ) -> Draft | None:
+        toks, _ = self.index.propose(seq, k)
+        if not toks:
+            return None
+        return Draft(mx.array(toks, mx.uint32), None, self.name)
+
+    def commit(self, draft_tokens: list[int]) -> None:
+        pass
+
+
+class ModelLookupDrafter:
+    """Lookup when its match is at least `min_match` tokens long (a copy in progress), the
+    draft model otherwise. The model's cache skips the lookup rounds and catches up by common
+    prefix the next time it drafts: one forward over the tokens it missed."""
+
+    name = "model+lookup"
+
+    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, min_match: int = 2):
+        self.model, self.lookup, self.min_match = model, lookup, min_match
+        self.costs = {**model.costs, **lookup.costs}
+        self._used: ModelDrafter | LookupDrafter | None = None
+
+    @property
+    def p_min(self) -> float | None:
+        return self.model.p_min
+
+    @p_min.setter
+    def p_min(self, value: float | None) -> None:
+        self.model.p_min = value
+
+    @property
+    def min_tokens(self) -> int:
+        return self.model.min_tokens
+
+    @min_tokens.setter
+    def min_tokens(self, value: int) -> None:
+        self.model.min_tokens = value
+
+    def prefill(self, seq: Sequence[int]) -> None:
+        self.model.prefill(seq)
+        self.lookup.prefill(seq)
+
+    def next_source(self, seq: Sequence[int]) -> str:
+        """Which proposer drafts the next round (the engine picks its length from this)."""
+        self.lookup.index.update(seq)
+        m = self.lookup.index.match()
+        return self.lookup.name if m is not None and m.size >= self.min_match else self.model.name
+
+    def propose(
+        self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
+    ) -> Draft | None:
+        self._used = self.lookup if self.next_source(seq) == self.lookup.name else self.model
+        return self._used.propose(seq, k, sp, key, vocab)
+
+    def commit(self, draft_tokens: list[int]) -> None:
+        if self._used is not None:
+            self._used.commit(draft_tokens)
+        self._used = None
+
+
+DRAFTERS = ("auto", "model", "lookup", "model+lookup", "none")

@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .accept import accept_greedy, accept_sampled
-from .drafters import CachedLM, Draft, Drafter, ModelDrafter
+from .adaptive import DEFAULT_DRAFT_MAX, AdaptiveLength, FixedLength, weight_ratio
+from .drafters import DRAFTERS, CachedLM, Draft, Drafter, LookupDrafter, ModelDrafter, ModelLookupDrafter
 from .errors import MlxspecError
 from .sampling import SamplingParams, probs, sample
 
@@ -115,12 +116,30 @@ class GenerationConfig:
     num_draft: int = 4
     seed: int | None = None
     profile: bool = False
+    # draft length (adaptive.py): fixed num_draft capped by draft_max, or adaptive in
+    # [draft_min, draft_max] starting at num_draft; draft_p_min stops a model draft early
+    draft_min: int = 1
+    draft_max: int | None = None
+    draft_p_min: float | None = None
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
         if self.num_draft < 0:
             raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
+        if self.draft_min < 1:
+            raise ValueError(f"draft_min must be >= 1, got {self.draft_min}")
+        if self.draft_max is not None and self.draft_max < self.draft_min:
+            raise ValueError(f"draft_max ({self.draft_max}) must be >= draft_min ({self.draft_min})")
+        if self.draft_p_min is not None and not 0.0 < self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min must be in (0, 1], got {self.draft_p_min}")
+
+    def length_policy(self, costs: dict[str, float]) -> AdaptiveLength | FixedLength:
+        if self.adaptive:
+            hi = self.draft_max if self.draft_max is not None else max(DEFAULT_DRAFT_MAX, self.draft_min)
+            return AdaptiveLength(self.draft_min, hi, first=self.num_draft, costs=costs)
+        return FixedLength(min(self.num_draft, self.draft_max or self.num_draft))
 
 
 class Session:
@@ -172,13 +191,35 @@ class Pair:
             raise ValueError("the prompt is empty: give at least one token")
         return ids
 
-    def make_drafter(self, use_draft: bool = True) -> Drafter | None:
-        if use_draft and self.draft is not None:
-            return ModelDrafter(self.draft)
-        return None
+    def make_drafter(
+        self, use_draft: bool = True, drafter: str = "auto", ngram_min: int = 1, ngram_max: int = 4
+    ) -> Drafter | None:
+        """drafter: "model" (the draft model), "lookup" (prompt lookup, no draft model needed),
+        "model+lookup" (lookup when it matches at least max(ngram_min, 2) tokens, else the model),
+        "none", or "auto" ("model" when the pair has a draft model, else "none")."""
+        if drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+        if drafter == "auto":
+            drafter = "model" if self.draft is not None else "none"
+        if not use_draft or drafter == "none":
+            return None
+        if drafter != "lookup" and self.draft is None:
+            raise MlxspecError(
+                f"drafter {drafter!r} needs a draft model: load one with "
+                f"mlxspec.load(target, draft=...), or use drafter='lookup'"
+            )
+        lookup = LookupDrafter(ngram_min, ngram_max)
+        if drafter == "lookup":
+            return lookup
+        model = ModelDrafter(self.draft, cost=weight_ratio(self.draft, self.target))
+        if drafter == "model":
+            return model
+        return ModelLookupDrafter(model, lookup, min_match=max(ngram_min, 2))
 
-    def new_session(self, use_draft: bool = True) -> Session:
-        return Session(self.target, self.make_drafter(use_draft))
+    def new_session(
+        self, use_draft: bool = True, drafter: str = "auto", ngram_min: int = 1, ngram_max: int = 4
+    ) -> Session:
+        return Session(self.target, self.make_drafter(use_draft, drafter, ngram_min, ngram_max))
 
     # -- public API ----------------------------------------------------------------------
     def generate(
@@ -193,6 +234,13 @@ class Pair:
         seed: int | None = None,
         session: Session | None = None,
         profile: bool = False,
+        drafter: str = "auto",
+        ngram_min: int = 1,
+        ngram_max: int = 4,
+        draft_min: int = 1,
+        draft_max: int | None = None,
+        draft_p_min: float | None = None,
+        adaptive: bool = False,
     ) -> GenerationResult:
         tokens: list[int] = []
         from_draft: list[bool] = []
@@ -201,6 +249,8 @@ class Pair:
         for chunk in self.stream(
             prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, num_draft=num_draft, seed=seed, session=session, profile=profile,
+            drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_min=draft_min,
+            draft_max=draft_max, draft_p_min=draft_p_min, adaptive=adaptive,
         ):
             tokens += chunk.tokens
             from_draft += chunk.from_draft
@@ -220,6 +270,13 @@ class Pair:
         seed: int | None = None,
         session: Session | None = None,
         profile: bool = False,
+        drafter: str = "auto",
+        ngram_min: int = 1,
+        ngram_max: int = 4,
+        draft_min: int = 1,
+        draft_max: int | None = None,
+        draft_p_min: float | None = None,
+        adaptive: bool = False,
     ) -> Iterator[Chunk]:
         config = GenerationConfig(
             max_tokens=max_tokens,
@@ -227,9 +284,22 @@ class Pair:
             num_draft=num_draft,
             seed=seed,
             profile=profile,
+            draft_min=draft_min,
+            draft_max=draft_max,
+            draft_p_min=draft_p_min,
+            adaptive=adaptive,
         )
         ids = self.encode(prompt)
-        return self._stream(ids, config, session or self.new_session(num_draft > 0))
+        if session is None:
+            session = self.new_session(num_draft > 0 or adaptive, drafter, ngram_min, ngram_max)
+        elif drafter != "auto":
+            have = session.drafter.name if session.drafter is not None else "none"
+            if have != drafter:
+                raise ValueError(
+                    f"this session drafts with {have!r}; make one with "
+                    f"pair.new_session(drafter={drafter!r}) to draft with {drafter!r}"
+                )
+        return self._stream(ids, config, session)
 
     # -- the loop ------------------------------------------------------------------------
     def _stream(self, ids: list[int], cfg: GenerationConfig, session: Session) -> Iterator[Chunk]:
@@ -242,8 +312,10 @@ class Pair:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(7), "little")
         key = mx.random.key(seed)
         target, drafter, sp = session.target, session.drafter, cfg.sampling
-        if drafter is not None and cfg.num_draft == 0:
+        if drafter is not None and cfg.num_draft == 0 and not cfg.adaptive:
             drafter = None
+        if drafter is not None and hasattr(drafter, "p_min"):  # early stop (model drafts only)
+            drafter.p_min, drafter.min_tokens = cfg.draft_p_min, cfg.draft_min
 
         mx.reset_peak_memory()
         tic = time.perf_counter()
@@ -338,9 +410,12 @@ class Pair:
     ) -> Iterator[tuple[list[int], int, str]]:
         sp = cfg.sampling
         produced = 0
+        policy = cfg.length_policy(getattr(drafter, "costs", {}))
+        next_source = getattr(drafter, "next_source", None)  # model+lookup: who drafts next
         while True:
             key, k_draft, k_accept = mx.random.split(key, 3)
-            k = min(cfg.num_draft, cfg.max_tokens - produced - 1)
+            source = next_source(seq) if next_source is not None else getattr(drafter, "name", "draft")
+            k = min(policy.k(source), cfg.max_tokens - produced - 1)
             t0 = time.perf_counter()
             draft = drafter.propose(seq, k, sp, k_draft, self.vocab_size) if k > 0 else None
             if draft is not None and draft.size == 0:
@@ -363,6 +438,8 @@ class Pair:
             if draft is not None:
                 drafter.commit(drafted)
             stats._record_round(k, n)
+            if draft is not None:
+                policy.update(draft.source, k, n)
             new = drafted[:n] + [vals[k]]
             produced += len(new)
             yield new, n, draft.source if draft is not None else "target"
