@@ -411,12 +411,15 @@ def _command(conv: Conversation, line: str) -> bool:
     return True
 
 
-def _one_turn(conv: Conversation, line: str, show_draft: bool, stop: StopFlag) -> None:
+def _one_turn(conv: Conversation, line: str, show_draft: bool, stop: StopFlag, piped: bool = False) -> None:
     try:
         with stop.armed():
             reply = conv.turn(line, sys.stdout, show_draft, stop, on_limit=_say)
     except ContextFull as e:
         _say(str(e), dim=False)
+        if piped:  # still one line out per message in, for scripts that read them in step
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -460,7 +463,7 @@ def _piped(conv: Conversation, show_draft: bool) -> None:
                 if not _command(conv, line):
                     return
                 continue
-            _one_turn(conv, line, show_draft, stop)
+            _one_turn(conv, line, show_draft, stop, piped=True)
     except KeyboardInterrupt:
         return
 

@@ -138,7 +138,9 @@ def test_piped_chat_past_the_context_window_says_so_and_goes_on(tiny_pair_dir):
     assert r.exit_code == 0, r.output
     assert "context window of 256 tokens" in r.stderr and "/reset" in r.stderr
     assert "Traceback" not in r.output
-    assert len(r.stdout.splitlines()) == 3  # two long turns, the refused one, then one after /reset
+    lines = r.stdout.split("\n")
+    assert len(lines) == 5 and lines[2] == "" and lines[4] == ""  # one line per message, the refused one empty
+    assert lines[0] and lines[1] and lines[3]
     assert "New conversation." in r.stderr
 
 
