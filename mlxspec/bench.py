@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -169,9 +170,10 @@ class BenchPrompt:
         return self.prompt
 
 
-def load_prompts(path: str | Path | None = None, kinds: Sequence[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
+def load_prompts(path: str | Path | None = None, kinds: Sequence[str] | None = None, per_kind: int | None = None) -> list[BenchPrompt]:
     """Read a JSONL suite: one object a line with "prompt" (text) or "messages" (chat), and
-    optional "id", "kind" and "raw". Blank lines are skipped."""
+    optional "id", "kind" and "raw". Blank lines are skipped. kinds: keep only these;
+    per_kind: keep the first N prompts of each kind."""
     path = Path(path) if path is not None else BUILTIN_PROMPTS
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -217,8 +219,14 @@ def load_prompts(path: str | Path | None = None, kinds: Sequence[str] | None = N
         prompts = [p for p in prompts if p.kind in wanted]
         if not prompts:
             raise PromptFileError(f"no prompt in {path} has a kind among {', '.join(kinds)}")
-    if limit is not None:
-        prompts = prompts[:limit]
+    if per_kind is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            seen[p.kind] = seen.get(p.kind, 0) + 1
+            if seen[p.kind] <= per_kind:
+                kept.append(p)
+        prompts = kept
     return prompts
 
 
@@ -237,6 +245,17 @@ class BenchConfig:
     compare_mlx_lm: bool = False
     warmup: bool = True
     cost_repeats: int = 5
+    # how mlxspec drafts in its speculative settings (see Pair.generate); k is the sweep's
+    drafter: str = "auto"
+    adaptive: bool = False
+    draft_min: int = 1
+    draft_max: int | None = None
+    draft_p_min: float | None = None
+
+    @property
+    def drafting(self) -> dict:
+        return dict(drafter=self.drafter, adaptive=self.adaptive, draft_min=self.draft_min,
+                    draft_max=self.draft_max, draft_p_min=self.draft_p_min)
 
     def __post_init__(self) -> None:
         if not self.draft_lengths or any(k < 1 for k in self.draft_lengths):
@@ -294,12 +313,18 @@ class Run:
         return d
 
 
-def run_mlxspec(pair, ids: list[int], k: int, max_tokens: int, temperature: float, seed: int) -> Run:
+def run_mlxspec(pair, ids: list[int], k: int, max_tokens: int, temperature: float, seed: int, *,
+                drafter: str = "auto", adaptive: bool = False, draft_min: int = 1, draft_max: int | None = None,
+                draft_p_min: float | None = None) -> Run:
     """One generation through mlxspec's engine (k = 0: plain pipelined decoding)."""
     ttft = None
     out: list[int] = []
     stats = None
-    for chunk in pair.stream(ids, max_tokens=max_tokens, temperature=temperature, num_draft=k, seed=seed):
+    if k == 0:
+        drafter, adaptive = "none", False
+    for chunk in pair.stream(ids, max_tokens=max_tokens, temperature=temperature, num_draft=k, seed=seed,
+                             drafter=drafter, adaptive=adaptive, draft_min=draft_min, draft_max=draft_max,
+                             draft_p_min=draft_p_min):
         if ttft is None:
             ttft = chunk.stats.prefill_time + chunk.stats.decode_time
         out += chunk.tokens
@@ -455,12 +480,14 @@ def run_bench(pair, prompts: Sequence[BenchPrompt], cfg: BenchConfig, log: Calla
     encoded = [(p, pair.encode(p.input(pair.tokenizer))) for p in prompts]
     settings = sweep_settings(cfg)
     seeds = cfg.seed_list
+    runners = dict(RUNNERS, mlxspec=lambda *a: run_mlxspec(*a, **cfg.drafting))
 
-    if cfg.warmup:
+    load_start = _load_average()
+    if cfg.warmup:  # long enough for every setting to run full rounds
         log("warm-up: every setting once on the first prompt")
         ids = encoded[0][1]
         for s in settings:
-            RUNNERS[s.engine](pair, ids, s.num_draft, min(cfg.max_tokens, 8), cfg.temperature, 0)
+            runners[s.engine](pair, ids, s.num_draft, min(cfg.max_tokens, max(cfg.draft_lengths) + 2), cfg.temperature, 0)
 
     ctx = sorted(encoded, key=lambda e: len(e[1]))[len(encoded) // 2][1]  # a prompt of median length
     log(f"costs: target forwards over 1..{max(cfg.draft_lengths) + 1} tokens and a draft step, {cfg.cost_repeats} repeats")
@@ -477,7 +504,7 @@ def run_bench(pair, prompts: Sequence[BenchPrompt], cfg: BenchConfig, log: Calla
                 block += 1
                 done: dict[Setting, Run] = {}
                 for s in order:
-                    r = RUNNERS[s.engine](pair, ids, s.num_draft, cfg.max_tokens, cfg.temperature, seed)
+                    r = runners[s.engine](pair, ids, s.num_draft, cfg.max_tokens, cfg.temperature, seed)
                     r.prompt_id, r.kind, r.repeat = p.id, p.kind, rep
                     done[s] = r
                     runs.append(r)
@@ -492,7 +519,16 @@ def run_bench(pair, prompts: Sequence[BenchPrompt], cfg: BenchConfig, log: Calla
     report["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     report["machine"] = machine_description()
     report["prompts"] = [{"id": p.id, "kind": p.kind, "prompt_tokens": len(ids)} for p, ids in encoded]
+    # other work on the machine makes timings drift: say how busy it was
+    report["conditions"] = {"load_average_start": load_start, "load_average_end": _load_average()}
     return report
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def _pooled_tps(runs: Sequence[Run]) -> float:
@@ -560,6 +596,7 @@ def summarize_runs(runs: Sequence[Run], costs: Costs, cfg: BenchConfig) -> dict:
             "compare_mlx_lm": cfg.compare_mlx_lm,
             "warmup": cfg.warmup,
             "cost_repeats": cfg.cost_repeats,
+            **cfg.drafting,
         },
         "costs": costs.to_dict(),
         "results": results,
@@ -578,8 +615,9 @@ def _per_prompt_ratios(rs: Sequence[Run], base: Sequence[Run]) -> list[float]:
 
 
 def _acceptance_and_prediction(rs: Sequence[Run], k: int, costs: Costs) -> dict:
-    acc = [0] * k
-    dr = [0] * k
+    width = max([k] + [len(r.drafted_per_position) for r in rs])  # adaptive length may draft past k
+    acc = [0] * width
+    dr = [0] * width
     for r in rs:
         for i, (a, d) in enumerate(zip(r.accepted_per_position, r.drafted_per_position)):
             acc[i] += a
@@ -854,7 +892,7 @@ BENCH_OPTIONS = [
                       "(optional \"id\", \"kind\", \"raw\"). Default: the built-in suite."),
     click.option("--kinds", callback=_kinds, default=None,
                  help=f"Only prompts of these kinds (comma-separated; built-in: {', '.join(KINDS)})."),
-    click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N prompts (after --kinds)."),
+    click.option("--per-kind", type=click.IntRange(1), default=None, help="Only the first N prompts of each kind."),
     click.option("--temperature", "--temp", default=0.0, show_default=True, type=click.FloatRange(0.0),
                  help="0 is greedy; above 0 every repeat runs each seed."),
     click.option("--seeds", default=3, show_default=True, type=click.IntRange(1), help="Seeds per repeat for sampled runs."),
@@ -865,6 +903,15 @@ BENCH_OPTIONS = [
     click.option("--markdown", "md_out", type=click.Path(dir_okay=False), default=None,
                  help="Write the short results table here (Markdown)."),
     click.option("--quiet", "-q", is_flag=True, help="No progress lines."),
+    click.option("--drafter", type=click.Choice(["auto", "model", "lookup", "model+lookup"]), default="auto",
+                 show_default=True, help="Who proposes tokens in mlxspec's speculative settings."),
+    click.option("--adaptive/--no-adaptive", default=False, show_default=True,
+                 help="Adaptive draft length (each -k is then only the first round's length)."),
+    click.option("--draft-min", type=click.IntRange(min=1), default=1, show_default=True, help="Shortest draft."),
+    click.option("--draft-max", type=click.IntRange(min=1), default=None,
+                 help="Longest draft. Default: 16 with --adaptive, else -k."),
+    click.option("--draft-p-min", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+                 help="Stop a model draft when its top probability falls below this."),
 ]
 
 
@@ -876,8 +923,9 @@ def _with_options(f):
 
 @click.command("bench")
 @_with_options
-def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prompt_file, kinds, limit,
-                  temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, md_out, quiet) -> None:
+def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prompt_file, kinds, per_kind,
+                  temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, md_out, quiet,
+                  drafter, adaptive, draft_min, draft_max, draft_p_min) -> None:
     """Measure whether speculation is faster for a pair on this machine, and with which draft length.
 
     Runs a prompt suite with the target alone and with speculation for each draft length, and
@@ -886,12 +934,15 @@ def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prom
     """
     from .loading import load
 
+    if draft_max is not None and draft_max < draft_min:
+        raise click.UsageError(f"--draft-max ({draft_max}) is below --draft-min ({draft_min})")
     try:
         cfg = BenchConfig(
             draft_lengths=draft_lengths, max_tokens=max_tokens, repeats=repeats, temperature=temperature,
-            seeds=seeds, compare_mlx_lm=compare_mlx_lm, warmup=warmup,
+            seeds=seeds, compare_mlx_lm=compare_mlx_lm, warmup=warmup, drafter=drafter, adaptive=adaptive,
+            draft_min=draft_min, draft_max=draft_max, draft_p_min=draft_p_min,
         )
-        prompts = load_prompts(prompt_file, kinds, limit)
+        prompts = load_prompts(prompt_file, kinds, per_kind)
         dt = resolve_dtype(dtype)
         log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
         log(f"loading {target}" + (f" and {draft}" if draft else "") + f" ({dt or 'as stored'})")
@@ -906,6 +957,7 @@ def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prom
     }
     report["settings"]["prompt_file"] = str(prompt_file) if prompt_file else "built-in"
     report["settings"]["kinds"] = list(kinds) if kinds else None
+    report["settings"]["per_kind"] = per_kind
     click.echo(format_report(report))
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1) + "\n")

@@ -133,7 +133,9 @@ def test_builtin_suite():
     assert kinds == set(bench.KINDS)
     assert all(sum(p.kind == k for p in prompts) >= 3 for k in kinds)
     assert len({p.id for p in prompts}) == len(prompts)
-    assert [p.kind for p in load_prompts(kinds=["edit"], limit=2)] == ["edit", "edit"]
+    assert [p.kind for p in load_prompts(kinds=["edit"], per_kind=2)] == ["edit", "edit"]
+    two = load_prompts(kinds=["code", "edit"], per_kind=2)
+    assert sorted(p.kind for p in two) == ["code", "code", "edit", "edit"]
 
 
 def test_prompt_file_errors(tmp_path):
