@@ -174,10 +174,11 @@ TINY_SUITE = [
 
 def test_bench_end_to_end(tiny_pair_dir, tmp_path):
     suite = _write(tmp_path / "suite.jsonl", TINY_SUITE)
-    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out, png, md = tmp_path / "bench.json", tmp_path / "bench.png", tmp_path / "bench.md"
     res = CliRunner().invoke(cli, [
         "bench", "--target", str(tiny_pair_dir), "-k", "1,3", "-m", "16", "-r", "2",
-        "--prompts", str(suite), "--compare-mlx-lm", "--json", str(out), "--plot", str(png), "-q",
+        "--prompts", str(suite), "--compare-mlx-lm", "--json", str(out), "--plot", str(png),
+        "--markdown", str(md), "-q",
     ])
     assert res.exit_code == 0, res.output
     assert "recommendation:" in res.output and "predicted" in res.output
@@ -219,6 +220,12 @@ def test_bench_end_to_end(tiny_pair_dir, tmp_path):
     rec = rep["recommendation"]
     assert rec["num_draft"] in (None, 1, 3) and rec["text"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    table = md.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 3  # header, target alone, k=1, k=3
+    k1 = res_by[("mlxspec", 1)]
+    assert rows[2].startswith(f"| 1 | {k1['tokens_per_second']['median']:.2f} | {k1['speedup']['median']:.2f}x")
+    assert "Recommendation: " in table
 
 
 def test_bench_sampled_runs_each_seed(tiny_pair_dir, tmp_path):
