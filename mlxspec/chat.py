@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
@@ -87,6 +87,23 @@ class Sampling:
     top_k: int = 0
     num_draft: int = 4
     seed: int | None = None
+    drafter: str = "auto"  # see Pair.make_drafter; the draft-length options: adaptive.py
+    draft_min: int = 1
+    draft_max: int | None = None
+    draft_p_min: float | None = None
+    adaptive: bool = False
+
+    def drafts(self, pair) -> bool:
+        """Whether this setting speculates with this pair (an explicit drafter that needs a
+        missing draft model says so when the session is made)."""
+        if self.drafter == "none" or (self.num_draft == 0 and not self.adaptive):
+            return False
+        return self.drafter != "auto" or pair.draft is not None
+
+
+def wants_draft_model(no_draft: bool, num_draft: int, drafter: str, adaptive: bool) -> bool:
+    """Whether to load a draft model at all (lookup needs none)."""
+    return not no_draft and (num_draft > 0 or adaptive) and drafter not in ("lookup", "none")
 
 
 class StopFlag:
@@ -162,6 +179,8 @@ def stream_reply(
     gen = pair.stream(
         ids, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
         num_draft=s.num_draft, seed=s.seed, session=session,
+        drafter=s.drafter if session is None else "auto", draft_min=s.draft_min, draft_max=s.draft_max,
+        draft_p_min=s.draft_p_min, adaptive=s.adaptive,
     )
     try:
         for chunk in gen:
@@ -187,6 +206,10 @@ def stats_line(stats, ttft: float | None, has_draft: bool) -> str:
     parts = [f"{stats.generation_tokens} tokens", f"{stats.tokens_per_second:.1f} tok/s"]
     if has_draft and stats.drafted:
         parts.append(f"{stats.acceptance_rate:.0%} accepted")
+        sources = {k: v for k, v in stats.tokens_by_source.items() if k != "target"}
+        if set(sources) - {"model"}:  # lookup proposed some: say who proposed the accepted tokens
+            sources.setdefault("model", 0)
+            parts.append("from " + ", ".join(f"{k} {v}" for k, v in sorted(sources.items())))
     parts.append(f"{stats.tokens_per_round:.2f} tokens/pass")
     if ttft is not None:
         parts.append(f"first token {ttft:.2f} s")
@@ -261,11 +284,14 @@ class Conversation:
 
     @property
     def has_draft(self) -> bool:
-        return self.pair.draft is not None and self.sampling.num_draft > 0
+        return self.sampling.drafts(self.pair)
+
+    def new_session(self):
+        return self.pair.new_session(self.has_draft, self.sampling.drafter)
 
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        self.session = self.pair.new_session(self.has_draft)
+        self.session = self.new_session()
         self.tokens: list[int] = []  # what the session's caches stand for
         self.reply_end: int | None = None  # len of tokens up to the end of the last reply's text
         self.last_prompt_text: str | None = None
@@ -314,12 +340,12 @@ class Conversation:
                         f"can be at most {room} tokens; /reset starts a new conversation"
                     )
         seed = None if s.seed is None else s.seed + self.totals.turns
-        turn_sampling = Sampling(max_tokens, s.temperature, s.top_p, s.top_k, s.num_draft, seed)
+        turn_sampling = replace(s, max_tokens=max_tokens, seed=seed)
         reply = stream_reply(self.pair, ids, turn_sampling, self.session, out, show_draft, stop)
         if reply.aborted:
             # the engine stopped anywhere: drop its caches; the next turn prefills the
             # conversation again from the tokens seen so far
-            self.session = self.pair.new_session(self.has_draft)
+            self.session = self.new_session()
             self.tokens = ids + reply.tokens
         else:
             self.tokens = list(self.session.tokens)  # prompt, reply and its stop token if any
@@ -351,10 +377,30 @@ def _sampling_options(f):
                      help="Tokens the draft proposes per target pass (0: no speculation)."),
         click.option("--seed", type=int, default=None, help="Random seed for sampling."),
         click.option("--show-draft", is_flag=True, help="Colour the tokens that came from the draft (green)."),
+        click.option("--drafter", type=click.Choice(["auto", "model", "lookup", "model+lookup", "none"]),
+                     default="auto", show_default=True,
+                     help="Who proposes tokens: the draft model, prompt lookup (copies from the prompt and "
+                          "the text so far; no draft model needed), lookup when it matches else the model. "
+                          "auto: the model when there is one."),
+        click.option("--adaptive/--no-adaptive", default=False, show_default=True,
+                     help="Adapt the draft length each round from the recent acceptance "
+                          "(--num-draft is then only the first round's)."),
+        click.option("--draft-min", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Shortest draft (adaptive length and --draft-p-min)."),
+        click.option("--draft-max", type=click.IntRange(min=1), default=None,
+                     help="Longest draft. Default: 16 with --adaptive, else --num-draft."),
+        click.option("--draft-p-min", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+                     help="Stop a model draft when its top probability falls below this "
+                          "(costs a host wait per drafted token)."),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def _check_draft_lengths(draft_min: int, draft_max: int | None) -> None:
+    if draft_max is not None and draft_max < draft_min:
+        raise click.UsageError(f"--draft-max ({draft_max}) is below --draft-min ({draft_min})")
 
 
 @contextmanager
@@ -371,16 +417,18 @@ def _user_errors() -> Iterator[None]:
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,
               help="Longest reply, in tokens.")
 def chat_command(target, draft, no_draft, dtype, temperature, top_p, top_k, num_draft, seed, show_draft,
-                 system, max_tokens):
+                 drafter, adaptive, draft_min, draft_max, draft_p_min, system, max_tokens):
     """Chat with a model, speculative decoding on.
 
     Keeps the KV caches across turns: a new turn computes only the new message. Inside the
     chat: /reset, /stats, /help, /quit. Ctrl-C stops a reply. With standard input from a pipe,
     each line is one message and each reply one line of standard output.
     """
+    _check_draft_lengths(draft_min, draft_max)
     with _user_errors():
-        pair = load_pair(target, draft, not no_draft and num_draft > 0, dtype)
-        s = Sampling(max_tokens, temperature, top_p, top_k, num_draft, seed)
+        pair = load_pair(target, draft, wants_draft_model(no_draft, num_draft, drafter, adaptive), dtype)
+        s = Sampling(max_tokens, temperature, top_p, top_k, num_draft, seed,
+                     "none" if no_draft else drafter, draft_min, draft_max, draft_p_min, adaptive)
         conv = Conversation(pair, system, s)
     if sys.stdin.isatty():
         _interactive(conv, show_draft)
@@ -476,7 +524,8 @@ def _piped(conv: Conversation, show_draft: bool) -> None:
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the text and full stats as one JSON object.")
 def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, num_draft, seed, show_draft,
-                     prompt, use_chat, system, max_tokens, as_json):
+                     drafter, adaptive, draft_min, draft_max, draft_p_min, prompt, use_chat, system, max_tokens,
+                     as_json):
     """Generate once from a prompt and print the text (and its stats)."""
     if prompt == "-":
         prompt = sys.stdin.read().rstrip("\n")
@@ -484,8 +533,9 @@ def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, 
         raise click.UsageError("the prompt is empty")
     if system is not None and not use_chat:
         raise click.UsageError("--system needs --chat")
+    _check_draft_lengths(draft_min, draft_max)
     with _user_errors():
-        pair = load_pair(target, draft, not no_draft and num_draft > 0, dtype)
+        pair = load_pair(target, draft, wants_draft_model(no_draft, num_draft, drafter, adaptive), dtype)
         if use_chat:
             if not getattr(pair.tokenizer, "chat_template", None):
                 raise MlxspecError("this model's tokenizer has no chat template; leave out --chat")
@@ -500,11 +550,13 @@ def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, 
             if len(ids) + max_tokens > limit:
                 max_tokens = limit - len(ids)
                 click.echo(f"note: the context window leaves room for {max_tokens} tokens", err=True)
-    s = Sampling(max_tokens, temperature, top_p, top_k, num_draft, seed)
+        s = Sampling(max_tokens, temperature, top_p, top_k, num_draft, seed,
+                     "none" if no_draft else drafter, draft_min, draft_max, draft_p_min, adaptive)
+        session = pair.new_session(s.drafts(pair), s.drafter)  # a drafter that cannot run says so here
     stop = StopFlag()
     with stop.armed():
-        reply = stream_reply(pair, ids, s, None, None if as_json else sys.stdout, show_draft, stop)
-    has_draft = pair.draft is not None and num_draft > 0
+        reply = stream_reply(pair, ids, s, session, None if as_json else sys.stdout, show_draft, stop)
+    has_draft = session.drafter is not None
     if as_json:
         st = reply.stats
         doc = {
@@ -515,6 +567,7 @@ def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, 
             "stats": st.to_dict() if st is not None else None,
             "target": str(pair.target_path),
             "draft": str(pair.draft_path) if has_draft and pair.draft_path else None,
+            "drafter": session.drafter.name if has_draft else "none",
             "interrupted": reply.interrupted,
         }
         click.echo(json.dumps(doc, ensure_ascii=False))

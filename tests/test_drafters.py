@@ -349,3 +349,96 @@ def test_model_cache_catches_up_after_lookup_rounds(copier, copier_draft):
         fresh = copier_draft(mx.array([seq]))[0, -1]
         np.testing.assert_allclose(np.array(cached), np.array(fresh), rtol=1e-4, atol=1e-4)
         p = seq + [9, 10]  # the next chat turn extends the sequence
+
+
+# -- command line ----------------------------------------------------------------------------
+
+CLI_PROMPT = "w10 w11 w12 w13 w10 w11 w12 w13 w10 w11"
+
+
+def _cli(args, input=None):
+    import json
+
+    from click.testing import CliRunner
+
+    from mlxspec.cli import cli
+
+    r = CliRunner().invoke(cli, args, input=input)
+    as_json = r.exit_code == 0 and args[0] == "generate" and "--json" in args
+    return r, (json.loads(r.stdout) if as_json else None)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--drafter", "lookup"],
+    ["--drafter", "model+lookup", "--adaptive"],
+    ["--drafter", "model", "--draft-p-min", "0.5", "--draft-min", "2", "-k", "5"],
+    ["--adaptive", "--draft-max", "6"],
+])
+def test_generate_with_drafter_options_keeps_the_text(tiny_pair_dir, extra):
+    base = ["generate", "-t", str(tiny_pair_dir), "--prompt", CLI_PROMPT, "-n", "24", "--json"]
+    r0, ref = _cli(base + ["--no-draft"])
+    r, doc = _cli(base + extra)
+    assert r0.exit_code == 0 and r.exit_code == 0, r.output
+    assert doc["tokens"] == ref["tokens"]
+    by = doc["stats"]["tokens_by_source"]
+    drafter = extra[1] if extra[0] == "--drafter" else "model"
+    assert doc["drafter"] == drafter
+    assert doc["stats"]["drafted"] > 0
+    if drafter == "lookup":
+        assert set(by) <= {"lookup", "target"} and doc["draft"] is None  # no draft model loaded
+    if "--draft-p-min" in extra:
+        assert len(doc["stats"]["drafted_per_position"]) <= 5
+
+
+def test_generate_lookup_with_a_target_alone(tiny_pair_dir):
+    target = str(tiny_pair_dir / "target")
+    r, doc = _cli(["generate", "-t", target, "--prompt", CLI_PROMPT, "-n", "16", "--json", "--drafter", "lookup"])
+    assert r.exit_code == 0, r.output
+    assert doc["drafter"] == "lookup" and doc["stats"]["drafted"] > 0
+    r, _ = _cli(["generate", "-t", target, "--prompt", CLI_PROMPT, "-n", "4", "--drafter", "model"])
+    assert r.exit_code != 0 and "Error: drafter 'model' needs a draft model" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_generate_stats_line_names_the_proposers(tiny_pair_dir):
+    prompt = " ".join(["w52 w26 w51 w61"] * 3)  # found by trying: the tiny pair copies a little here
+    args = ["generate", "-t", str(tiny_pair_dir), "--prompt", prompt, "-n", "80", "--drafter", "model+lookup"]
+    _, doc = _cli(args + ["--json"])
+    by = doc["stats"]["tokens_by_source"]
+    assert by.get("lookup", 0) > 0
+    r, _ = _cli(args)
+    assert r.exit_code == 0, r.output
+    assert f"from lookup {by['lookup']}, model {by.get('model', 0)}" in r.output
+
+
+def test_bad_draft_length_options(tiny_pair_dir):
+    for cmd in (["generate", "--prompt", "w10"], ["bench"]):
+        r, _ = _cli([cmd[0], "-t", str(tiny_pair_dir), *cmd[1:], "--draft-min", "4", "--draft-max", "2"])
+        assert r.exit_code == 2 and "--draft-max (2) is below --draft-min (4)" in r.output
+        r, _ = _cli([cmd[0], "-t", str(tiny_pair_dir), *cmd[1:], "--drafter", "ngram"])
+        assert r.exit_code == 2
+
+
+def test_piped_chat_with_lookup_matches_the_target(tiny_pair_dir):
+    lines = "w10 w11 w12 w10 w11\nw12 w10 w11 w12\n"
+    args = ["chat", "-t", str(tiny_pair_dir), "-n", "12"]
+    r0, _ = _cli(args + ["--no-draft"], input=lines)
+    r, _ = _cli(args + ["--drafter", "model+lookup", "--adaptive"], input=lines)
+    assert r0.exit_code == 0 and r.exit_code == 0, r.output
+    assert r.stdout == r0.stdout and len(r.stdout.strip().splitlines()) == 2
+
+
+def test_bench_with_lookup_and_adaptive(tiny_pair_dir, tmp_path):
+    import json
+
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text(json.dumps({"id": "rep", "kind": "edit", "prompt": CLI_PROMPT}) + "\n")
+    out = tmp_path / "b.json"
+    r, _ = _cli(["bench", "-t", str(tiny_pair_dir), "--prompts", str(suite), "-k", "3", "-m", "16", "-r", "1",
+                 "--no-warmup", "--drafter", "model+lookup", "--adaptive", "--draft-max", "6", "-q",
+                 "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    assert rep["settings"]["drafter"] == "model+lookup" and rep["settings"]["adaptive"] is True
+    spec = [e for e in rep["results"] if e["num_draft"] == 3][0]
+    assert spec["identical_to_target"] == 1.0 and spec["drafted"] > 0
