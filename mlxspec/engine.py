@@ -52,8 +52,9 @@ class Stats:
 
     @property
     def tokens_per_round(self) -> float:
-        """Mean tokens emitted per target forward pass (1.0 without speculation)."""
-        return self.generation_tokens / self.rounds if self.rounds else 0.0
+        """Mean tokens per target forward pass: 1 + accepted drafts per pass (1.0 without
+        speculation; a pass that produced the stop token counts that token)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -163,9 +164,7 @@ class Pair:
         self.target = target_model
         self.draft = draft_model
         self.tokenizer = tokenizer
-        self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        if tokenizer is not None and not self.eos_token_ids and tokenizer.eos_token_id is not None:
-            self.eos_token_ids = {tokenizer.eos_token_id}
+        self.eos_token_ids: set[int] = stop_tokens(tokenizer)
         self.vocab_size = _vocab_size(target_model)
 
     # -- prompts -------------------------------------------------------------------------
@@ -458,6 +457,26 @@ class Pair:
         if sp.greedy:
             return accept_greedy(draft.tokens, logits)
         return accept_sampled(draft.tokens, draft.q, probs(logits, sp), key)
+
+
+# end-of-generation tokens that chat models emit besides their tokenizer's eos token (the
+# same idea as llama.cpp's EOG set): Qwen's <|endoftext|> after <|im_end|>, Llama 3's <|eot_id|>...
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "</s>")
+
+
+def stop_tokens(tokenizer) -> set[int]:
+    if tokenizer is None:
+        return set()
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    try:
+        special = set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return ids
+    ids |= {vocab[t] for t in END_OF_GENERATION if t in special and t in vocab}
+    return ids
 
 
 def _vocab_size(model: nn.Module) -> int:
