@@ -296,7 +296,6 @@ def _download(repo_id: str, log: "_Log") -> tuple[Path, str | None]:
 
 def _prepare_hf(folder: Path, log: "_Log", options: dict[str, Any],
                 provenance: dict[str, Any]) -> _Prepared:
-    import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
@@ -335,7 +334,6 @@ def _prepare_hf(folder: Path, log: "_Log", options: dict[str, Any],
         for p in folder.glob("*.tiktoken"):
             shutil.copy(p, out_dir / p.name)
 
-    del mx
     return _Prepared(label, config, tensors, model, options, None,
                      {**provenance, "converter": "mlxspec.convert"}, write_tok)
 
@@ -486,14 +484,12 @@ def _plan(tensors, model, config, dtype, bits, group_size) -> list[_Job]:
         module_path, _, leaf = t.name.rpartition(".")
         q = quantizable.get(module_path) if leaf == "weight" and floating else None
         if q:
-            rows, cols = int(np.prod(t.shape[:-1])), t.shape[-1]
-            lead = t.shape[:-1]
+            cols, lead = t.shape[-1], t.shape[:-1]
             entries = [
                 _Entry(f"{module_path}.weight", (*lead, cols * q["bits"] // 32), mx.uint32),
                 _Entry(f"{module_path}.scales", (*lead, cols // q["group_size"]), od),
                 _Entry(f"{module_path}.biases", (*lead, cols // q["group_size"]), od),
             ]
-            del rows
         else:
             entries = [_Entry(t.name, t.shape, od)]
         jobs.append(_Job(t, od, q, entries))

@@ -542,3 +542,14 @@ def test_real_smollm2_converts_and_generates(tmp_path):
     text = generate(model, tokenizer, prompt=prompt, max_tokens=24)
     assert "Paris" in text, text
     assert tokenizer.encode("Hello world", add_special_tokens=False) == [19556, 905]
+
+
+def test_cli_ctrl_c_exits_130_and_cleans_up(hf_llama, tmp_path, monkeypatch):
+    def interrupted(block, job):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "_transform", interrupted)
+    r = CliRunner().invoke(conv.convert_command, [str(hf_llama), "-o", str(tmp_path / "out"),
+                                                  "--quiet"])
+    assert r.exit_code == 130 and "nothing was written" in r.output
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
