@@ -4,8 +4,9 @@ Any draft length chosen from what happened in earlier rounds keeps decoding exac
 at each position reproduces the target's distribution whatever the length, and the choice does
 not look at this round's target output. So the length can follow the acceptance freely.
 
-The adaptive rule (`AdaptiveLength`), per proposer (the model and lookup accept very
-differently, so model+lookup keeps one estimate for each):
+The adaptive rule (`AdaptiveLength`), per key: the proposer, and for lookup the length of its
+match ("model", "lookup/1" ... "lookup/4"): the model and lookup accept very differently, and a
+4-token match copies on for much longer than a 1-token one, so each keeps its own estimate:
 
 1. Estimate a, the probability that a drafted token is accepted given that the ones before it
    were. A round that drafts k tokens and accepts n tested n + 1 tokens (n successes, one
@@ -19,7 +20,8 @@ differently, so model+lookup keeps one estimate for each):
    `VERIFY_COST` for the wider verification pass). Draft the k in [draft_min, draft_max] that
    maximises E(k) / (1 + cost * k), the expected tokens per unit of time.
 
-So a pair accepting 90% of its tokens drafts long (a = 0.9, cost 0.4: k = 4; cost 0.1: k = 9),
+So a pair accepting 90% of its tokens drafts long (a = 0.9: k = 4 at a total cost of 0.4 per
+token, e.g. a 0.5B draft for a 1.5B target; k = 10 at 0.1, e.g. lookup),
 one accepting 30% drafts short (k = draft_min), and no `num_draft` needs tuning: it is only the
 length of a proposer's first round.
 """
@@ -76,7 +78,8 @@ class _Estimate:
 @dataclass
 class AdaptiveLength:
     """The rule in this module's docstring. `costs` maps a proposer ("model", "lookup") to its
-    own cost per drafted token in target steps; unknown proposers cost 0."""
+    own cost per drafted token in target steps (a key "lookup/3" costs what "lookup" does;
+    unknown proposers cost 0)."""
 
     draft_min: int = 1
     draft_max: int = DEFAULT_DRAFT_MAX
@@ -95,7 +98,7 @@ class AdaptiveLength:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
 
     def cost(self, source: str) -> float:
-        return self.costs.get(source, 0.0) + self.verify_cost
+        return self.costs.get(source.split("/")[0], 0.0) + self.verify_cost
 
     def acceptance(self, source: str) -> float:
         e = self._est.get(source)

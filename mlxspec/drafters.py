@@ -210,6 +210,13 @@ class LookupDrafter:
     def prefill(self, seq: Sequence[int]) -> None:
         self.index.update(seq)
 
+    def next_source(self, seq: Sequence[int]) -> str:
+        """The length policy's key for the next round: "lookup/<n>" for an n-token match (0:
+        none), so that adaptive length learns how far a 4-token match copies, and a 1-token one."""
+        self.index.update(seq)
+        m = self.index.match()
+        return f"{self.name}/{m.size if m is not None else 0}"
+
     def propose(
         self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
     ) -> Draft | None:
@@ -255,15 +262,17 @@ class ModelLookupDrafter:
         self.lookup.prefill(seq)
 
     def next_source(self, seq: Sequence[int]) -> str:
-        """Which proposer drafts the next round (the engine picks its length from this)."""
+        """Who drafts the next round, as the length policy's key: "model" or "lookup/<n>"."""
         self.lookup.index.update(seq)
         m = self.lookup.index.match()
-        return self.lookup.name if m is not None and m.size >= self.min_match else self.model.name
+        if m is not None and m.size >= self.min_match:
+            return f"{self.lookup.name}/{m.size}"
+        return self.model.name
 
     def propose(
         self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
     ) -> Draft | None:
-        self._used = self.lookup if self.next_source(seq) == self.lookup.name else self.model
+        self._used = self.lookup if self.next_source(seq) != self.model.name else self.model
         return self._used.propose(seq, k, sp, key, vocab)
 
     def commit(self, draft_tokens: list[int]) -> None:

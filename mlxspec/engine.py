@@ -410,7 +410,9 @@ class Pair:
         sp = cfg.sampling
         produced = 0
         policy = cfg.length_policy(getattr(drafter, "costs", {}))
-        next_source = getattr(drafter, "next_source", None)  # model+lookup: who drafts next
+        # the length policy's key for the next round: "model", or "lookup/<match size>" (lookup's
+        # acceptance depends on how long its match is); model+lookup also decides who drafts
+        next_source = getattr(drafter, "next_source", None)
         while True:
             key, k_draft, k_accept = mx.random.split(key, 3)
             source = next_source(seq) if next_source is not None else getattr(drafter, "name", "draft")
@@ -438,7 +440,7 @@ class Pair:
                 drafter.commit(drafted)
             stats._record_round(k, n)
             if draft is not None:
-                policy.update(draft.source, k, n)
+                policy.update(source, k, n)
             new = drafted[:n] + [vals[k]]
             produced += len(new)
             yield new, n, draft.source if draft is not None else "target"

@@ -69,7 +69,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--configs", default="", help="comma-separated subset of config names")
     ap.add_argument("--out", default=None, help="write every run as JSON here")
+    ap.add_argument("--simulate", default=None, metavar="JSON",
+                    help="no models: replay lookup's greedy proposals on the target outputs saved by --out")
     args = ap.parse_args()
+    if args.simulate:
+        simulate_file(args.simulate)
+        return
     maybe_reexec_with_openblas()
 
     import mlxspec
@@ -101,6 +106,7 @@ def main() -> None:
             s = res.stats
             if ref is None:
                 ref = res.tokens
+                ids = pair.encode(messages)
             run = {
                 "id": row.get("id", row["prompt"][:20]), "kind": row["kind"], "config": name,
                 "tokens": s.generation_tokens, "tok_s": s.tokens_per_second, "tok_pass": 1 + s.accepted / s.rounds if s.rounds else 0.0,
@@ -108,11 +114,48 @@ def main() -> None:
                 "by_source": dict(s.tokens_by_source), "prompt_tokens": s.prompt_tokens,
                 "identical": res.tokens == ref,
             }
-            runs.append(run)
             print(json.dumps(run), flush=True)
+            if name == "target":  # what --simulate needs (not printed)
+                run.update(prompt_ids=ids, output=res.tokens)
+            runs.append(run)
     if args.out:
         Path(args.out).write_text(json.dumps(runs, indent=1))
     summarize(runs, [c[0] for c in configs])
+
+
+def simulate_lookup(prompt: list[int], output: list[int], k: int, adaptive: bool, ngram_max: int = 4) -> dict:
+    """Greedy lookup decoding replayed without models: a proposal is accepted up to its first
+    token that differs from the target's own output, so tokens per target pass follow from the
+    prompt and the output alone (exactly what the engine would count)."""
+    from mlxspec.adaptive import AdaptiveLength, FixedLength
+    from mlxspec.drafters import LookupDrafter
+
+    d = LookupDrafter(1, ngram_max)
+    pol = AdaptiveLength(first=k, costs=d.costs) if adaptive else FixedLength(k)
+    seq, done, passes, accepted, drafted = list(prompt), 0, 0, 0, 0
+    while done < len(output):
+        key = d.next_source(seq)
+        kk = min(pol.k(key), len(output) - done - 1)
+        toks, _ = d.index.propose(seq, kk)
+        n = 0
+        while n < len(toks) and toks[n] == output[done + n]:
+            n += 1
+        if toks:
+            pol.update(key, len(toks), n)
+        passes, accepted, drafted = passes + 1, accepted + n, drafted + len(toks)
+        seq += output[done : done + n + 1]
+        done += n + 1
+    return {"passes": passes, "tok_pass": 1 + accepted / passes, "drafted": drafted, "accepted": accepted}
+
+
+def simulate_file(path: str) -> None:
+    runs = [r for r in json.loads(Path(path).read_text()) if r["config"] == "target" and "output" in r]
+    settings = [("lookup k=4", 4, False), ("lookup k=8", 8, False), ("lookup adaptive", 4, True)]
+    print("| prompt | kind | " + " | ".join(n for n, _, _ in settings) + " |")
+    print("|---|---|" + "---|" * len(settings))
+    for r in runs:
+        cells = [f"{simulate_lookup(r['prompt_ids'], r['output'], k, a)['tok_pass']:.2f}" for _, k, a in settings]
+        print(f"| {r['id']} | {r['kind']} | " + " | ".join(cells) + " |")
 
 
 def summarize(runs: list[dict], names: list[str]) -> None:

@@ -170,6 +170,18 @@ def test_adaptive_rule_follows_the_acceptance_rate():
     assert np.mean(lengths["lookup"]) >= 5 and np.mean(lengths["model"]) <= 1.5
 
 
+def test_lookup_policy_keys_follow_the_match_length():
+    d = LookupDrafter(1, 4)
+    assert d.next_source([1, 2, 3]) == "lookup/0"
+    assert d.next_source([1, 2, 3, 1, 2]) == "lookup/2"
+    pol = AdaptiveLength(draft_min=1, draft_max=12, first=4, costs={"lookup": 0.0, "model": 0.3})
+    assert pol.cost("lookup/2") == pol.cost("lookup") == pol.verify_cost
+    for _ in range(6):  # long matches copy on, short ones do not: each key learns its own length
+        pol.update("lookup/4", pol.k("lookup/4"), pol.k("lookup/4"))
+        pol.update("lookup/1", pol.k("lookup/1"), 0)
+    assert pol.k("lookup/4") == 12 and pol.k("lookup/1") == 1
+
+
 def test_fixed_length():
     pol = FixedLength(3)
     pol.update("model", 3, 0)
