@@ -50,12 +50,12 @@ FALLBACK_PROMPTS = [
 ]
 
 
-def load_prompts(per_kind: int) -> list[dict]:
+def load_prompts(per_kind: int, kinds: list[str] | None = None) -> list[dict]:
     path = ROOT / "mlxspec" / "data" / "prompts.jsonl"
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else FALLBACK_PROMPTS
     out, seen = [], {}
     for r in rows:
-        if seen.get(r["kind"], 0) < per_kind:
+        if seen.get(r["kind"], 0) < per_kind and (not kinds or r["kind"] in kinds):
             seen[r["kind"]] = seen.get(r["kind"], 0) + 1
             out.append(r)
     return out
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/offline/qwen2.5-coder")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--per-kind", type=int, default=2)
+    ap.add_argument("--kinds", default="", help="comma-separated prompt kinds (default: all)")
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--configs", default="", help="comma-separated subset of config names")
     ap.add_argument("--out", default=None, help="write every run as JSON here")
@@ -88,7 +89,7 @@ def main() -> None:
     pair = mlxspec.load(args.model, dtype=args.dtype)
     print(f"loaded in {time.perf_counter() - t0:.0f}s on {machine_description()}", flush=True)
     runs = []
-    for row in load_prompts(args.per_kind):
+    for row in load_prompts(args.per_kind, [k for k in args.kinds.split(",") if k]):
         messages = [{"role": "user", "content": row["prompt"]}]
         session = pair.new_session(drafter="none")
         model = pair.make_drafter(drafter="model")  # one draft cache, shared by the model configs

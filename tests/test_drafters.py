@@ -123,7 +123,9 @@ def test_expected_tokens_and_best_length():
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == 4.0
     assert best_length(0.9, 0.1, 1, 16) > best_length(0.9, 0.5, 1, 16) > best_length(0.3, 0.5, 1, 16) == 1
-    assert best_length(0.99, 0.0, 2, 6) == 6 and best_length(0.0, 0.0, 2, 6) == 2
+    assert best_length(0.99, 0.0, 2, 6) == 6 and best_length(0.0, 0.1, 2, 6) == 2
+    # a = 0.7 at cost 0.42: k = 1 predicts 1.197 tokens per step, k = 2 1.190 (within 3%): take 2
+    assert best_length(0.7, 0.42, 1, 16, slack=0.0) == 1 and best_length(0.7, 0.42, 1, 16) == 2
 
 
 def test_adaptive_rule_on_scripted_acceptances():
@@ -140,7 +142,7 @@ def test_adaptive_rule_on_scripted_acceptances():
         k = pol.k("model")
         ks.append(k)
         pol.update("model", k, 0)
-    assert ks == sorted(ks, reverse=True) and ks[7:] == [1] * 13 and pol.acceptance("model") < 0.2
+    assert ks == sorted(ks, reverse=True) and ks[10:] == [1] * 10 and pol.acceptance("model") < 0.2
     # the rule is exactly the documented one: decayed sums, then argmax of E(k) / (1 + c k)
     pol = AdaptiveLength(draft_min=1, draft_max=16, first=4, costs={"model": 0.3}, decay=0.5,
                          prior=0.5, prior_weight=2.0)
