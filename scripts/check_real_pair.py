@@ -97,8 +97,9 @@ def mlx_lm_tokens_per_pass(flags: list[bool]) -> float:
 @click.option("--repeats", default=2, show_default=True, help="alternating repeats for (c)")
 @click.option("--seeds", default=3, show_default=True, help="seeds per prompt for (b)")
 @click.option("--prompts", "n_prompts", default=4, show_default=True)
+@click.option("--skip-sampled", is_flag=True, help="only (a) and (c)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(target, draft, dtype, max_tokens, num_draft, repeats, seeds, n_prompts, json_out):
+def main(target, draft, dtype, max_tokens, num_draft, repeats, seeds, n_prompts, skip_sampled, json_out):
     from mlxspec.platform import loaded_blas, maybe_reexec_with_openblas
 
     maybe_reexec_with_openblas()
@@ -155,7 +156,7 @@ def main(target, draft, dtype, max_tokens, num_draft, repeats, seeds, n_prompts,
     # (b) sampled acceptance
     click.echo(f"\n(b) sampled, tokens per target pass, {len(prompts)} prompts x {seeds} seeds")
     report["sampled"] = {}
-    for temp in (0.7, 1.0):
+    for temp in () if skip_sampled else (0.7, 1.0):
         ours, theirs, acc = [], [], []
         for ids in prompts:
             for s in range(seeds):
