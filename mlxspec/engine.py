@@ -310,7 +310,7 @@ class Pair:
             detok.reset()
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(7), "little")
         key = mx.random.key(seed)
-        target, drafter, sp = session.target, session.drafter, cfg.sampling
+        target, drafter = session.target, session.drafter
         if drafter is not None and cfg.num_draft == 0 and not cfg.adaptive:
             drafter = None
         if drafter is not None and hasattr(drafter, "p_min"):  # early stop (model drafts only)

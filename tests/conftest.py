@@ -132,3 +132,44 @@ def mismatched_draft_dir(tmp_path_factory, unrelated):
     root = tmp_path_factory.mktemp("mismatched")
     save_tiny(root, unrelated, extra_word="zzz")
     return root
+
+
+# -- statistics of sampled output -------------------------------------------------------------
+
+def exact_marginals(model, prompt, sp, steps):
+    """Exact marginal distribution of each of the first `steps` sampled tokens, by enumerating
+    every continuation with non-zero probability (use a small top-k)."""
+    import numpy as np
+
+    from mlxspec.sampling import probs
+
+    seqs, weights = [list(prompt)], np.array([1.0])
+    out = []
+    for _ in range(steps):
+        logits = model(mx.array(seqs))[:, -1]
+        pr = np.array(probs(logits, sp), dtype=np.float64)  # (B, V)
+        out.append((weights[:, None] * pr).sum(0))
+        nz = [(b, v) for b in range(len(seqs)) for v in np.nonzero(pr[b] > 0)[0]]
+        weights = np.array([weights[b] * pr[b, v] for b, v in nz])
+        seqs = [seqs[b] + [int(v)] for b, v in nz]
+    return out
+
+
+def check_marginals(samples, exact, p_min=1e-4):
+    """Chi-square test of each column of samples (n, steps) against the exact marginals; cells
+    expected fewer than 5 times are merged so the approximation holds."""
+    import numpy as np
+    from scipy import stats as sstats
+
+    n = samples.shape[0]
+    for j in range(samples.shape[1]):
+        counts = np.bincount(samples[:, j], minlength=exact[j].size).astype(float)
+        keep = exact[j] > 0
+        assert counts[~keep].sum() == 0, "a token outside the target's top-k was emitted"
+        expected = exact[j][keep] / exact[j][keep].sum() * n
+        big = expected >= 5
+        obs = np.append(counts[keep][big], counts[keep][~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        assert sstats.chisquare(obs, exp).pvalue > p_min, f"token {j} does not follow the target"

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxspec
-from mlxspec.chat import Conversation, Sampling, StopFlag, stream_reply
+from mlxspec.chat import Conversation, Sampling, StopFlag
 from mlxspec.cli import cli
 from mlxspec import resolve
 

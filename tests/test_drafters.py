@@ -12,15 +12,14 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import perturbed, tiny_llama
-from scipy import stats as sstats
+from conftest import check_marginals, exact_marginals, perturbed, tiny_llama
 
 import mlxspec
 from mlxspec.adaptive import AdaptiveLength, FixedLength, best_length, expected_tokens
 from mlxspec.drafters import LookupDrafter, ModelLookupDrafter
 from mlxspec.errors import MlxspecError
 from mlxspec.lookup import Match, NGramIndex
-from mlxspec.sampling import SamplingParams, probs
+from mlxspec.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 40, 33, 12, 8, 8, 8, 21, 60, 3, 17]]
 
@@ -269,40 +268,12 @@ def test_greedy_identity_early_stop(target, near, p_min):
 # -- sampled output keeps the target's distribution --------------------------------------------
 
 
-def _exact_marginals(model, prompt, sp, steps):
-    """Exact marginal distribution of each of the first `steps` sampled tokens."""
-    seqs, weights = [list(prompt)], np.array([1.0])
-    out = []
-    for _ in range(steps):
-        logits = model(mx.array(seqs))[:, -1]
-        pr = np.array(probs(logits, sp), dtype=np.float64)
-        out.append((weights[:, None] * pr).sum(0))
-        nz = [(b, v) for b in range(len(seqs)) for v in np.nonzero(pr[b] > 0)[0]]
-        weights = np.array([weights[b] * pr[b, v] for b, v in nz])
-        seqs = [seqs[b] + [int(v)] for b, v in nz]
-    return out
-
-
-def _check_marginals(samples, exact, n):
-    for j in range(samples.shape[1]):
-        counts = np.bincount(samples[:, j], minlength=exact[j].size).astype(float)
-        keep = exact[j] > 0
-        assert counts[~keep].sum() == 0, "a token outside the target's top-k was emitted"
-        expected = exact[j][keep] / exact[j][keep].sum() * n
-        big = expected >= 5  # merge rare cells so the chi-square approximation holds
-        obs = np.append(counts[keep][big], counts[keep][~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        if exp[-1] == 0:
-            obs, exp = obs[:-1], exp[:-1]
-        assert sstats.chisquare(obs, exp).pvalue > 1e-4, f"token {j} does not follow the target"
-
-
 @pytest.mark.parametrize("drafter", ["lookup", "model+lookup"])
 def test_sampled_output_follows_target_distribution(copier, copier_draft, drafter):
     sp = SamplingParams(temperature=1.0, top_k=5)
     chain = alone(copier, [3, 4], 12)
     prompt = [3, 4] + chain + [3, 4]  # a copy in progress: lookup proposes the copier's likely tokens
-    exact = _exact_marginals(copier, prompt, sp, steps=3)
+    exact = exact_marginals(copier, prompt, sp, steps=3)
     pair = mlxspec.Pair(copier, copier_draft)
     session = pair.new_session(drafter=drafter)
     n = 1200
@@ -314,7 +285,7 @@ def test_sampled_output_follows_target_distribution(copier, copier_draft, drafte
         for k, v in res.stats.tokens_by_source.items():
             by_source[k] = by_source.get(k, 0) + v
         drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
-    _check_marginals(np.array(samples), exact, n)
+    check_marginals(np.array(samples), exact)
     assert by_source.get("lookup", 0) > n // 4 and 0 < accepted < drafted
     if drafter == "model+lookup":
         assert by_source.get("model", 0) > 0

@@ -3,13 +3,12 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_llama
+from conftest import check_marginals, exact_marginals, tiny_llama
 from mlx_lm.models.cache import ArraysCache
-from scipy import stats as sstats
 
 import mlxspec
 from mlxspec.drafters import CachedLM
-from mlxspec.sampling import SamplingParams, probs
+from mlxspec.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 40, 33, 12, 8, 8, 8, 21, 60, 3, 17]]
 
@@ -131,25 +130,11 @@ def test_logits_after_rewind_equal_fresh_recompute(target):
     np.testing.assert_allclose(np.array(after), np.array(fresh), rtol=1e-4, atol=1e-4)
 
 
-def _exact_marginals(model, prompt, sp, steps):
-    """Exact marginal distribution of each of the first `steps` sampled tokens."""
-    seqs, weights = [list(prompt)], np.array([1.0])
-    out = []
-    for _ in range(steps):
-        logits = model(mx.array(seqs))[:, -1]
-        pr = np.array(probs(logits, sp), dtype=np.float64)  # (B, V)
-        out.append((weights[:, None] * pr).sum(0))
-        nz = [(b, v) for b in range(len(seqs)) for v in np.nonzero(pr[b] > 0)[0]]
-        weights = np.array([weights[b] * pr[b, v] for b, v in nz])
-        seqs = [seqs[b] + [int(v)] for b, v in nz]
-    return out
-
-
 @pytest.mark.parametrize("num_draft", [2])
 def test_sampled_output_follows_target_distribution(target, near, num_draft):
     sp = SamplingParams(temperature=1.0, top_k=6)
     prompt = [1, 2, 3]
-    exact = _exact_marginals(target, prompt, sp, steps=3)
+    exact = exact_marginals(target, prompt, sp, steps=3)
     pair = mlxspec.Pair(target, near)
     session = pair.new_session()
     n = 1500
@@ -158,17 +143,7 @@ def test_sampled_output_follows_target_distribution(target, near, num_draft):
                       seed=s, session=session).tokens
         for s in range(n)
     ])
-    for j in range(3):
-        counts = np.bincount(samples[:, j], minlength=exact[j].size).astype(float)
-        keep = exact[j] > 0
-        assert counts[~keep].sum() == 0, "a token outside the target's top-k was emitted"
-        expected = exact[j][keep] / exact[j][keep].sum() * n
-        big = expected >= 5  # merge rare cells so the chi-square approximation holds
-        obs = np.append(counts[keep][big], counts[keep][~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        if exp[-1] == 0:
-            obs, exp = obs[:-1], exp[:-1]
-        assert sstats.chisquare(obs, exp).pvalue > 1e-4, f"token {j} does not follow the target"
+    check_marginals(samples, exact)
 
 
 def test_padded_draft_vocabulary_is_fine(target, references):
