@@ -147,30 +147,16 @@ def check_pair(target_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> d
     """
     from mlx_lm.utils import load_tokenizer
 
+    from .errors import PairMismatchError
+    from .loading import check_pair as check_tokenizers
+
     t = load_tokenizer(Path(target_dir))
     d = load_tokenizer(Path(draft_dir))
-    tv, dv = t.get_vocab(), d.get_vocab()
-    if tv != dv:
-        only_t = len(set(tv) - set(dv))
-        only_d = len(set(dv) - set(tv))
-        moved = sum(1 for k in set(tv) & set(dv) if tv[k] != dv[k])
-        raise ConvertError(
-            "the draft's tokenizer differs from the target's "
-            f"({len(tv)} vs {len(dv)} tokens; {only_t} only in the target, {only_d} only in "
-            f"the draft, {moved} with different ids); speculative decoding needs the same vocabulary"
-        )
-    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        a, b = getattr(t, attr, None), getattr(d, attr, None)
-        if a != b:
-            raise ConvertError(
-                f"the draft's {attr} ({b!r}) differs from the target's ({a!r}); "
-                "speculative decoding needs the same special tokens"
-            )
-    if set(t.eos_token_ids) != set(d.eos_token_ids):
-        raise ConvertError(
-            f"the draft's end-of-sequence ids {sorted(d.eos_token_ids)} differ from the "
-            f"target's {sorted(t.eos_token_ids)}"
-        )
+    try:
+        check_tokenizers(t, d)  # the same rule mlxspec.load applies
+    except PairMismatchError as e:
+        raise ConvertError(str(e)) from e
+    tv = t.get_vocab()
     return {
         "vocab_size": len(tv),
         "vocab_sha256": hashlib.sha256(

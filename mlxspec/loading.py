@@ -108,7 +108,11 @@ def check_pair(target_tok, draft_tok) -> None:
     if a and b and not (a & b):
         problems.append(f"end-of-sequence tokens differ (target {sorted(a)}, draft {sorted(b)})")
     if problems:
-        raise PairMismatchError("the draft does not match the target: " + "; ".join(problems))
+        raise PairMismatchError(
+            "the draft does not match the target (the draft's tokenizer differs from the "
+            "target's): " + "; ".join(problems)
+            + "; speculative decoding needs the same vocabulary and special tokens"
+        )
 
 
 def load(target: str | Path, draft: str | Path | None = None, dtype: str | None = None) -> Pair:
