@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from .accept import accept_greedy, accept_sampled
 from .adaptive import DEFAULT_DRAFT_MAX, AdaptiveLength, FixedLength, weight_ratio
-from .drafters import DRAFTERS, CachedLM, Draft, Drafter, LookupDrafter, ModelDrafter, ModelLookupDrafter
+from .drafters import DRAFTERS, CachedLM, common_prefix, Draft, Drafter, LookupDrafter, ModelDrafter, ModelLookupDrafter
 from .errors import MlxspecError
 from .sampling import SamplingParams, probs, sample
 
@@ -318,7 +318,7 @@ class Pair:
 
         mx.reset_peak_memory()
         tic = time.perf_counter()
-        reused = common_prefix_len(target.tokens, ids)
+        reused = common_prefix(target.tokens, ids)
         target.prefill(ids)
         if drafter is not None:
             drafter.prefill(ids)
@@ -492,8 +492,3 @@ def _vocab_size(model: nn.Module) -> int:
     except Exception as e:  # pragma: no cover - a model that cannot run one token
         raise MlxspecError(f"cannot run {type(model).__name__} on one token: {e}") from e
 
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    from .drafters import common_prefix
-
-    return common_prefix(a, b)
