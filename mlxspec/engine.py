@@ -385,11 +385,11 @@ class Pair:
 
         feed = target.sync(seq)
         target.tokens.extend(feed)
-        key, sub = mx.random.split(key)
+        key, sub = _split(key, 2, sp)
         y = step(mx.array(feed, mx.uint32), sub)
         mx.async_eval(y)
         while True:
-            key, sub = mx.random.split(key)
+            key, sub = _split(key, 2, sp)
             nxt = step(y[None], sub)
             mx.async_eval(nxt)
             t = y.item()
@@ -414,7 +414,7 @@ class Pair:
         # acceptance depends on how long its match is); model+lookup also decides who drafts
         next_source = getattr(drafter, "next_source", None)
         while True:
-            key, k_draft, k_accept = mx.random.split(key, 3)
+            key, k_draft, k_accept = _split(key, 3, sp)
             source = next_source(seq) if next_source is not None else getattr(drafter, "name", "draft")
             k = min(policy.k(source), cfg.max_tokens - produced - 1)
             t0 = time.perf_counter()
@@ -479,6 +479,12 @@ def stop_tokens(tokenizer) -> set[int]:
         return ids
     ids |= {vocab[t] for t in END_OF_GENERATION if t in special and t in vocab}
     return ids
+
+
+def _split(key: mx.array, n: int, sp: SamplingParams) -> list[mx.array]:
+    """n keys from key. Greedy decoding draws no random numbers, so it reuses the key instead of
+    growing a chain of splits that is never evaluated."""
+    return [key] * n if sp.greedy else list(mx.random.split(key, n))
 
 
 def _vocab_size(model: nn.Module) -> int:
