@@ -30,7 +30,9 @@ from typing import Callable, Sequence
 
 import click
 
+from .cli_options import generation_options
 from .errors import MlxspecError
+from .options import GenerateOptions
 
 DEFAULT_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
@@ -245,17 +247,16 @@ class BenchConfig:
     compare_mlx_lm: bool = False
     warmup: bool = True
     cost_repeats: int = 5
-    # how mlxspec drafts in its speculative settings (see Pair.generate); k is the sweep's
-    drafter: str = "auto"
-    adaptive: bool = False
-    draft_min: int = 1
-    draft_max: int | None = None
-    draft_p_min: float | None = None
+    # how mlxspec drafts in its speculative settings (drafter, adaptive, ...); the sweep sets
+    # num_draft, max_tokens, temperature and seed
+    drafting: GenerateOptions = GenerateOptions()
 
     @property
-    def drafting(self) -> dict:
-        return dict(drafter=self.drafter, adaptive=self.adaptive, draft_min=self.draft_min,
-                    draft_max=self.draft_max, draft_p_min=self.draft_p_min)
+    def drafting_settings(self) -> dict:
+        """The drafting options, for the report."""
+        d = self.drafting
+        return dict(drafter=d.drafter, adaptive=d.adaptive, draft_min=d.draft_min, draft_max=d.draft_max,
+                    draft_p_min=d.draft_p_min, ngram_min=d.ngram_min, ngram_max=d.ngram_max)
 
     def __post_init__(self) -> None:
         if not self.draft_lengths or any(k < 1 for k in self.draft_lengths):
@@ -313,18 +314,16 @@ class Run:
         return d
 
 
-def run_mlxspec(pair, ids: list[int], k: int, max_tokens: int, temperature: float, seed: int, *,
-                drafter: str = "auto", adaptive: bool = False, draft_min: int = 1, draft_max: int | None = None,
-                draft_p_min: float | None = None) -> Run:
+def run_mlxspec(pair, ids: list[int], k: int, max_tokens: int, temperature: float, seed: int,
+                drafting: GenerateOptions = GenerateOptions()) -> Run:
     """One generation through mlxspec's engine (k = 0: plain pipelined decoding)."""
     ttft = None
     out: list[int] = []
     stats = None
+    opts = drafting.replace(max_tokens=max_tokens, temperature=temperature, num_draft=k, seed=seed)
     if k == 0:
-        drafter, adaptive = "none", False
-    for chunk in pair.stream(ids, max_tokens=max_tokens, temperature=temperature, num_draft=k, seed=seed,
-                             drafter=drafter, adaptive=adaptive, draft_min=draft_min, draft_max=draft_max,
-                             draft_p_min=draft_p_min):
+        opts = opts.replace(drafter="none", adaptive=False)
+    for chunk in pair.stream(ids, opts):
         if ttft is None:
             ttft = chunk.stats.prefill_time + chunk.stats.decode_time
         out += chunk.tokens
@@ -480,7 +479,7 @@ def run_bench(pair, prompts: Sequence[BenchPrompt], cfg: BenchConfig, log: Calla
     encoded = [(p, pair.encode(p.input(pair.tokenizer))) for p in prompts]
     settings = sweep_settings(cfg)
     seeds = cfg.seed_list
-    runners = dict(RUNNERS, mlxspec=lambda *a: run_mlxspec(*a, **cfg.drafting))
+    runners = dict(RUNNERS, mlxspec=lambda *a: run_mlxspec(*a, cfg.drafting))
 
     load_start = _load_average()
     if cfg.warmup:  # long enough for every setting to run full rounds
@@ -596,7 +595,7 @@ def summarize_runs(runs: Sequence[Run], costs: Costs, cfg: BenchConfig) -> dict:
             "compare_mlx_lm": cfg.compare_mlx_lm,
             "warmup": cfg.warmup,
             "cost_repeats": cfg.cost_repeats,
-            **cfg.drafting,
+            **cfg.drafting_settings,
         },
         "costs": costs.to_dict(),
         "results": results,
@@ -903,15 +902,6 @@ BENCH_OPTIONS = [
     click.option("--markdown", "md_out", type=click.Path(dir_okay=False), default=None,
                  help="Write the short results table here (Markdown)."),
     click.option("--quiet", "-q", is_flag=True, help="No progress lines."),
-    click.option("--drafter", type=click.Choice(["auto", "model", "lookup", "model+lookup"]), default="auto",
-                 show_default=True, help="Who proposes tokens in mlxspec's speculative settings."),
-    click.option("--adaptive/--no-adaptive", default=False, show_default=True,
-                 help="Adaptive draft length (each -k is then only the first round's length)."),
-    click.option("--draft-min", type=click.IntRange(min=1), default=1, show_default=True, help="Shortest draft."),
-    click.option("--draft-max", type=click.IntRange(min=1), default=None,
-                 help="Longest draft. Default: 16 with --adaptive, else -k."),
-    click.option("--draft-p-min", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-                 help="Stop a model draft when its top probability falls below this."),
 ]
 
 
@@ -923,9 +913,10 @@ def _with_options(f):
 
 @click.command("bench")
 @_with_options
+@generation_options(groups=("drafting",), skip=("num_draft",))
 def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prompt_file, kinds, per_kind,
                   temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, md_out, quiet,
-                  drafter, adaptive, draft_min, draft_max, draft_p_min) -> None:
+                  options: GenerateOptions) -> None:
     """Measure whether speculation is faster for a pair on this machine, and with which draft length.
 
     Runs a prompt suite with the target alone and with speculation for each draft length, and
@@ -934,13 +925,10 @@ def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prom
     """
     from .loading import load
 
-    if draft_max is not None and draft_max < draft_min:
-        raise click.UsageError(f"--draft-max ({draft_max}) is below --draft-min ({draft_min})")
     try:
         cfg = BenchConfig(
             draft_lengths=draft_lengths, max_tokens=max_tokens, repeats=repeats, temperature=temperature,
-            seeds=seeds, compare_mlx_lm=compare_mlx_lm, warmup=warmup, drafter=drafter, adaptive=adaptive,
-            draft_min=draft_min, draft_max=draft_max, draft_p_min=draft_p_min,
+            seeds=seeds, compare_mlx_lm=compare_mlx_lm, warmup=warmup, drafting=options,
         )
         prompts = load_prompts(prompt_file, kinds, per_kind)
         dt = resolve_dtype(dtype)

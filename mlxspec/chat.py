@@ -15,13 +15,16 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
 import click
 
+from .cli_options import generation_options
+from .drafters import NEEDS_DRAFT_MODEL
 from .errors import MlxspecError
+from .options import GenerateOptions
 
 HELP = """Commands:
   /reset   start a new conversation (clears the history and the caches)
@@ -79,31 +82,15 @@ def max_context(pair) -> int | None:
 # -- one reply, streamed -------------------------------------------------------------------
 
 
-@dataclass
-class Sampling:
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    num_draft: int = 4
-    seed: int | None = None
-    drafter: str = "auto"  # see Pair.make_drafter; the draft-length options: adaptive.py
-    draft_min: int = 1
-    draft_max: int | None = None
-    draft_p_min: float | None = None
-    adaptive: bool = False
-
-    def drafts(self, pair) -> bool:
-        """Whether this setting speculates with this pair (an explicit drafter that needs a
-        missing draft model says so when the session is made)."""
-        if self.drafter == "none" or (self.num_draft == 0 and not self.adaptive):
-            return False
-        return self.drafter != "auto" or pair.draft is not None
+def drafts(options: GenerateOptions, pair) -> bool:
+    """Whether these options speculate with this pair (an explicit drafter that needs a missing
+    draft model says so when the session is made)."""
+    return options.speculates and (options.drafter != "auto" or pair.draft is not None)
 
 
-def wants_draft_model(no_draft: bool, num_draft: int, drafter: str, adaptive: bool) -> bool:
+def wants_draft_model(no_draft: bool, options: GenerateOptions) -> bool:
     """Whether to load a draft model at all (lookup needs none)."""
-    return not no_draft and (num_draft > 0 or adaptive) and drafter not in ("lookup", "none")
+    return not no_draft and options.speculates and (options.drafter == "auto" or options.drafter in NEEDS_DRAFT_MODEL)
 
 
 class StopFlag:
@@ -168,7 +155,8 @@ class TokenPrinter:
 
 
 def stream_reply(
-    pair, ids: list[int], s: Sampling, session, out: TextIO | None, show_draft: bool, stop: StopFlag | None
+    pair, ids: list[int], options: GenerateOptions, session, out: TextIO | None, show_draft: bool,
+    stop: StopFlag | None,
 ) -> Reply:
     """Generate one reply to the prompt ids, printing it as it comes. Ctrl-C (via `stop`) ends
     the reply early; the tokens so far are kept."""
@@ -176,12 +164,9 @@ def stream_reply(
     tokens: list[int] = []
     stats, ttft, interrupted, aborted = None, None, False, False
     tic = time.perf_counter()
-    gen = pair.stream(
-        ids, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        num_draft=s.num_draft, seed=s.seed, session=session,
-        drafter=s.drafter if session is None else "auto", draft_min=s.draft_min, draft_max=s.draft_max,
-        draft_p_min=s.draft_p_min, adaptive=s.adaptive,
-    )
+    if session is not None:
+        options = options.replace(drafter="auto")  # the session's drafter drafts
+    gen = pair.stream(ids, options, session=session)
     try:
         for chunk in gen:
             if ttft is None and chunk.tokens:
@@ -271,23 +256,23 @@ class ContextFull(MlxspecError):
 class Conversation:
     """A multi-turn chat over one engine session: history, token sequence and caches."""
 
-    def __init__(self, pair, system: str | None = None, sampling: Sampling | None = None):
+    def __init__(self, pair, system: str | None = None, options: GenerateOptions | None = None):
         tok = pair.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise MlxspecError("this model's tokenizer has no chat template; use `mlxspec generate` without --chat")
         self.pair = pair
         self.system = system
-        self.sampling = sampling or Sampling()
+        self.options = options or GenerateOptions(max_tokens=512)
         self.max_len = max_context(pair)
         self.totals = Totals()
         self.reset()
 
     @property
     def has_draft(self) -> bool:
-        return self.sampling.drafts(self.pair)
+        return drafts(self.options, self.pair)
 
     def new_session(self):
-        return self.pair.new_session(self.has_draft, self.sampling.drafter)
+        return self.pair.new_session(self.options if self.has_draft else self.options.replace(drafter="none"))
 
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
@@ -323,7 +308,7 @@ class Conversation:
         on_limit: Callable[[str], None] | None = None,
     ) -> Reply:
         ids, text, _ = self.prompt_ids(user)
-        s = self.sampling
+        s = self.options
         max_tokens = s.max_tokens
         if self.max_len is not None:
             room = self.max_len - len(ids)
@@ -340,8 +325,8 @@ class Conversation:
                         f"can be at most {room} tokens; /reset starts a new conversation"
                     )
         seed = None if s.seed is None else s.seed + self.totals.turns
-        turn_sampling = replace(s, max_tokens=max_tokens, seed=seed)
-        reply = stream_reply(self.pair, ids, turn_sampling, self.session, out, show_draft, stop)
+        reply = stream_reply(self.pair, ids, s.replace(max_tokens=max_tokens, seed=seed), self.session, out,
+                             show_draft, stop)
         if reply.aborted:
             # the engine stopped anywhere: drop its caches; the next turn prefills the
             # conversation again from the tokens seen so far
@@ -359,7 +344,7 @@ class Conversation:
 # -- the commands ---------------------------------------------------------------------------
 
 
-def _sampling_options(f):
+def _model_options(f):
     opts = [
         click.option("--target", "-t", default=None, metavar="MODEL",
                      help="Local MLX folder, pair folder, recipe name (models/*.json) or Hugging Face repo. "
@@ -369,38 +354,11 @@ def _sampling_options(f):
         click.option("--no-draft", is_flag=True, help="Decode with the target alone."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
                      show_default=True, help="auto: float32 on a CPU backend, else the stored dtype."),
-        click.option("--temperature", "--temp", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
-                     help="0 is greedy."),
-        click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables it."),
-        click.option("--num-draft", "-k", type=click.IntRange(0, 64), default=4, show_default=True,
-                     help="Tokens the draft proposes per target pass (0: no speculation)."),
-        click.option("--seed", type=int, default=None, help="Random seed for sampling."),
         click.option("--show-draft", is_flag=True, help="Colour the tokens that came from the draft (green)."),
-        click.option("--drafter", type=click.Choice(["auto", "model", "lookup", "model+lookup", "none"]),
-                     default="auto", show_default=True,
-                     help="Who proposes tokens: the draft model, prompt lookup (copies from the prompt and "
-                          "the text so far; no draft model needed), lookup when it matches else the model. "
-                          "auto: the model when there is one."),
-        click.option("--adaptive/--no-adaptive", default=False, show_default=True,
-                     help="Adapt the draft length each round from the recent acceptance "
-                          "(--num-draft is then only the first round's)."),
-        click.option("--draft-min", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Shortest draft (adaptive length and --draft-p-min)."),
-        click.option("--draft-max", type=click.IntRange(min=1), default=None,
-                     help="Longest draft. Default: 16 with --adaptive, else --num-draft."),
-        click.option("--draft-p-min", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-                     help="Stop a model draft when its top probability falls below this "
-                          "(costs a host wait per drafted token)."),
     ]
     for o in reversed(opts):
         f = o(f)
     return f
-
-
-def _check_draft_lengths(draft_min: int, draft_max: int | None) -> None:
-    if draft_max is not None and draft_max < draft_min:
-        raise click.UsageError(f"--draft-max ({draft_max}) is below --draft-min ({draft_min})")
 
 
 @contextmanager
@@ -412,24 +370,19 @@ def _user_errors() -> Iterator[None]:
 
 
 @click.command("chat")
-@_sampling_options
+@_model_options
+@generation_options(max_tokens=512)
 @click.option("--system", "-s", default=None, help="System message.")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Longest reply, in tokens.")
-def chat_command(target, draft, no_draft, dtype, temperature, top_p, top_k, num_draft, seed, show_draft,
-                 drafter, adaptive, draft_min, draft_max, draft_p_min, system, max_tokens):
+def chat_command(target, draft, no_draft, dtype, show_draft, options: GenerateOptions, system):
     """Chat with a model, speculative decoding on.
 
     Keeps the KV caches across turns: a new turn computes only the new message. Inside the
     chat: /reset, /stats, /help, /quit. Ctrl-C stops a reply. With standard input from a pipe,
     each line is one message and each reply one line of standard output.
     """
-    _check_draft_lengths(draft_min, draft_max)
     with _user_errors():
-        pair = load_pair(target, draft, wants_draft_model(no_draft, num_draft, drafter, adaptive), dtype)
-        s = Sampling(max_tokens, temperature, top_p, top_k, num_draft, seed,
-                     "none" if no_draft else drafter, draft_min, draft_max, draft_p_min, adaptive)
-        conv = Conversation(pair, system, s)
+        pair = load_pair(target, draft, wants_draft_model(no_draft, options), dtype)
+        conv = Conversation(pair, system, options.replace(drafter="none") if no_draft else options)
     if sys.stdin.isatty():
         _interactive(conv, show_draft)
     else:
@@ -517,15 +470,14 @@ def _piped(conv: Conversation, show_draft: bool) -> None:
 
 
 @click.command("generate")
-@_sampling_options
+@_model_options
+@generation_options(max_tokens=256)
 @click.option("--prompt", "-p", required=True, help='The prompt; "-" reads it from standard input.')
 @click.option("--chat", "use_chat", is_flag=True, help="Apply the model's chat template to the prompt.")
 @click.option("--system", "-s", default=None, help="System message (with --chat).")
-@click.option("--max-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the text and full stats as one JSON object.")
-def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, num_draft, seed, show_draft,
-                     drafter, adaptive, draft_min, draft_max, draft_p_min, prompt, use_chat, system, max_tokens,
-                     as_json):
+def generate_command(target, draft, no_draft, dtype, show_draft, options: GenerateOptions, prompt, use_chat,
+                     system, as_json):
     """Generate once from a prompt and print the text (and its stats)."""
     if prompt == "-":
         prompt = sys.stdin.read().rstrip("\n")
@@ -533,9 +485,8 @@ def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, 
         raise click.UsageError("the prompt is empty")
     if system is not None and not use_chat:
         raise click.UsageError("--system needs --chat")
-    _check_draft_lengths(draft_min, draft_max)
     with _user_errors():
-        pair = load_pair(target, draft, wants_draft_model(no_draft, num_draft, drafter, adaptive), dtype)
+        pair = load_pair(target, draft, wants_draft_model(no_draft, options), dtype)
         if use_chat:
             if not getattr(pair.tokenizer, "chat_template", None):
                 raise MlxspecError("this model's tokenizer has no chat template; leave out --chat")
@@ -547,12 +498,11 @@ def generate_command(target, draft, no_draft, dtype, temperature, top_p, top_k, 
         if limit is not None:
             if len(ids) >= limit:
                 raise MlxspecError(f"the prompt is {len(ids)} tokens, the model's context window {limit}")
-            if len(ids) + max_tokens > limit:
-                max_tokens = limit - len(ids)
-                click.echo(f"note: the context window leaves room for {max_tokens} tokens", err=True)
-        s = Sampling(max_tokens, temperature, top_p, top_k, num_draft, seed,
-                     "none" if no_draft else drafter, draft_min, draft_max, draft_p_min, adaptive)
-        session = pair.new_session(s.drafts(pair), s.drafter)  # a drafter that cannot run says so here
+            if len(ids) + options.max_tokens > limit:
+                options = options.replace(max_tokens=limit - len(ids))
+                click.echo(f"note: the context window leaves room for {options.max_tokens} tokens", err=True)
+        s = options.replace(drafter="none") if no_draft or not drafts(options, pair) else options
+        session = pair.new_session(s)  # a drafter that cannot run says so here
     stop = StopFlag()
     with stop.armed():
         reply = stream_reply(pair, ids, s, session, None if as_json else sys.stdout, show_draft, stop)

@@ -20,9 +20,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .accept import accept_greedy, accept_sampled
-from .adaptive import DEFAULT_DRAFT_MAX, AdaptiveLength, FixedLength, weight_ratio
-from .drafters import DRAFTERS, CachedLM, common_prefix, Draft, Drafter, LookupDrafter, ModelDrafter, ModelLookupDrafter
+from .cached_lm import CachedLM, common_prefix
+from .drafters import Draft, Drafter, build_drafter
 from .errors import MlxspecError
+from .options import GenerateOptions, resolve
 from .sampling import SamplingParams, probs, sample
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
@@ -110,39 +111,6 @@ class GenerationResult:
     stats: Stats
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_tokens: int = 256
-    sampling: SamplingParams = SamplingParams()
-    num_draft: int = 4
-    seed: int | None = None
-    profile: bool = False
-    # draft length (adaptive.py): fixed num_draft capped by draft_max, or adaptive in
-    # [draft_min, draft_max] starting at num_draft; draft_p_min stops a model draft early
-    draft_min: int = 1
-    draft_max: int | None = None
-    draft_p_min: float | None = None
-    adaptive: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if self.num_draft < 0:
-            raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
-        if self.draft_min < 1:
-            raise ValueError(f"draft_min must be >= 1, got {self.draft_min}")
-        if self.draft_max is not None and self.draft_max < self.draft_min:
-            raise ValueError(f"draft_max ({self.draft_max}) must be >= draft_min ({self.draft_min})")
-        if self.draft_p_min is not None and not 0.0 < self.draft_p_min <= 1.0:
-            raise ValueError(f"draft_p_min must be in (0, 1], got {self.draft_p_min}")
-
-    def length_policy(self, costs: dict[str, float]) -> AdaptiveLength | FixedLength:
-        if self.adaptive:
-            hi = self.draft_max if self.draft_max is not None else max(DEFAULT_DRAFT_MAX, self.draft_min)
-            return AdaptiveLength(self.draft_min, hi, first=self.num_draft, costs=costs)
-        return FixedLength(min(self.num_draft, self.draft_max or self.num_draft))
-
-
 class Session:
     """KV caches kept across calls (a chat): a new call feeds only what differs from the
     tokens the caches already hold."""
@@ -190,67 +158,26 @@ class Pair:
             raise ValueError("the prompt is empty: give at least one token")
         return ids
 
-    def make_drafter(
-        self, use_draft: bool = True, drafter: str = "auto", ngram_min: int = 1, ngram_max: int = 4
-    ) -> Drafter | None:
-        """drafter: "model" (the draft model), "lookup" (prompt lookup, no draft model needed),
-        "model+lookup" (lookup when it matches at least max(ngram_min, 2) tokens, else the model),
-        "none", or "auto" ("model" when the pair has a draft model, else "none")."""
-        if drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-        if drafter == "auto":
-            drafter = "model" if self.draft is not None else "none"
-        if not use_draft or drafter == "none":
-            return None
-        if drafter != "lookup" and self.draft is None:
-            raise MlxspecError(
-                f"drafter {drafter!r} needs a draft model: load one with "
-                f"mlxspec.load(target, draft=...), or use drafter='lookup'"
-            )
-        lookup = LookupDrafter(ngram_min, ngram_max)
-        if drafter == "lookup":
-            return lookup
-        model = ModelDrafter(self.draft, cost=weight_ratio(self.draft, self.target))
-        if drafter == "model":
-            return model
-        return ModelLookupDrafter(model, lookup, min_match=max(ngram_min, 2))
+    def make_drafter(self, options: GenerateOptions | None = None, **changes) -> Drafter | None:
+        """The drafter that the options ask for (drafters/__init__.py has the names): "auto" is
+        the draft model when the pair has one, else none."""
+        return build_drafter(self, resolve(options, changes))
 
-    def new_session(
-        self, use_draft: bool = True, drafter: str = "auto", ngram_min: int = 1, ngram_max: int = 4
-    ) -> Session:
-        return Session(self.target, self.make_drafter(use_draft, drafter, ngram_min, ngram_max))
+    def new_session(self, options: GenerateOptions | None = None, **changes) -> Session:
+        """KV caches (and a drafter) to keep across calls, e.g. the turns of a chat."""
+        return Session(self.target, self.make_drafter(options, **changes))
 
     # -- public API ----------------------------------------------------------------------
     def generate(
-        self,
-        prompt: Prompt,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        num_draft: int = 4,
-        seed: int | None = None,
-        session: Session | None = None,
-        profile: bool = False,
-        drafter: str = "auto",
-        ngram_min: int = 1,
-        ngram_max: int = 4,
-        draft_min: int = 1,
-        draft_max: int | None = None,
-        draft_p_min: float | None = None,
-        adaptive: bool = False,
+        self, prompt: Prompt, options: GenerateOptions | None = None, *, session: Session | None = None, **changes
     ) -> GenerationResult:
+        """Generate a reply to prompt. `options` (GenerateOptions) or keyword changes to them:
+        max_tokens, temperature, top_p, top_k, min_p, seed, drafter, num_draft, adaptive, ..."""
         tokens: list[int] = []
         from_draft: list[bool] = []
         text = []
         stats = Stats()
-        for chunk in self.stream(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, num_draft=num_draft, seed=seed, session=session, profile=profile,
-            drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max, draft_min=draft_min,
-            draft_max=draft_max, draft_p_min=draft_p_min, adaptive=adaptive,
-        ):
+        for chunk in self.stream(prompt, options, session=session, **changes):
             tokens += chunk.tokens
             from_draft += chunk.from_draft
             text.append(chunk.text)
@@ -258,50 +185,24 @@ class Pair:
         return GenerationResult("".join(text), tokens, from_draft, stats)
 
     def stream(
-        self,
-        prompt: Prompt,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        num_draft: int = 4,
-        seed: int | None = None,
-        session: Session | None = None,
-        profile: bool = False,
-        drafter: str = "auto",
-        ngram_min: int = 1,
-        ngram_max: int = 4,
-        draft_min: int = 1,
-        draft_max: int | None = None,
-        draft_p_min: float | None = None,
-        adaptive: bool = False,
+        self, prompt: Prompt, options: GenerateOptions | None = None, *, session: Session | None = None, **changes
     ) -> Iterator[Chunk]:
-        config = GenerationConfig(
-            max_tokens=max_tokens,
-            sampling=SamplingParams(temperature, top_p, top_k, min_p),
-            num_draft=num_draft,
-            seed=seed,
-            profile=profile,
-            draft_min=draft_min,
-            draft_max=draft_max,
-            draft_p_min=draft_p_min,
-            adaptive=adaptive,
-        )
+        """Like generate, one Chunk per round as it is decided."""
+        opts = resolve(options, changes)
         ids = self.encode(prompt)
         if session is None:
-            session = self.new_session(num_draft > 0 or adaptive, drafter, ngram_min, ngram_max)
-        elif drafter != "auto":
+            session = self.new_session(opts)
+        elif opts.drafter != "auto":
             have = session.drafter.name if session.drafter is not None else "none"
-            if have != drafter:
+            if have != opts.drafter:
                 raise ValueError(
                     f"this session drafts with {have!r}; make one with "
-                    f"pair.new_session(drafter={drafter!r}) to draft with {drafter!r}"
+                    f"pair.new_session(drafter={opts.drafter!r}) to draft with {opts.drafter!r}"
                 )
-        return self._stream(ids, config, session)
+        return self._stream(ids, opts, session)
 
     # -- the loop ------------------------------------------------------------------------
-    def _stream(self, ids: list[int], cfg: GenerationConfig, session: Session) -> Iterator[Chunk]:
+    def _stream(self, ids: list[int], cfg: GenerateOptions, session: Session) -> Iterator[Chunk]:
         stats = Stats(prompt_tokens=len(ids))
         if cfg.profile:
             stats.draft_time = stats.verify_time = 0.0
@@ -311,7 +212,7 @@ class Pair:
         seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(7), "little")
         key = mx.random.key(seed)
         target, drafter = session.target, session.drafter
-        if drafter is not None and cfg.num_draft == 0 and not cfg.adaptive:
+        if drafter is not None and not cfg.speculates:
             drafter = None
         if drafter is not None and hasattr(drafter, "p_min"):  # early stop (model drafts only)
             drafter.p_min, drafter.min_tokens = cfg.draft_p_min, cfg.draft_min
@@ -373,7 +274,7 @@ class Pair:
             session.tokens = seq
 
     def _plain_rounds(
-        self, target: CachedLM, seq: list[int], cfg: GenerationConfig, key: mx.array, stats: Stats
+        self, target: CachedLM, seq: list[int], cfg: GenerateOptions, key: mx.array, stats: Stats
     ) -> Iterator[tuple[list[int], int, str]]:
         """Target alone, pipelined like mlx-lm: the next step's graph is queued before the host
         reads the current token."""
@@ -403,7 +304,7 @@ class Pair:
         target: CachedLM,
         drafter: Drafter,
         seq: list[int],
-        cfg: GenerationConfig,
+        cfg: GenerateOptions,
         key: mx.array,
         stats: Stats,
     ) -> Iterator[tuple[list[int], int, str]]:

@@ -59,7 +59,8 @@ def main() -> None:
     maybe_reexec_with_openblas()
 
     import mlxspec
-    from mlxspec.chat import Conversation, Sampling, auto_dtype
+    from mlxspec.chat import Conversation, auto_dtype
+    from mlxspec.options import GenerateOptions
     from mlxspec.resolve import resolve_pair
 
     target = str(ROOT / "models" / "offline" / "smollm2-135m") if args.tiny else args.target
@@ -68,13 +69,13 @@ def main() -> None:
     pair = mlxspec.load(res.target, res.draft, dtype=auto_dtype(args.dtype))
     print(f"loaded {res.label} in {time.perf_counter() - tic:.1f} s; draft: {res.draft or pair.draft_path}", file=sys.stderr)
     num_draft = args.num_draft if pair.draft is not None else 0
-    conv = Conversation(pair, None, Sampling(max_tokens=args.max_tokens, num_draft=num_draft))
+    conv = Conversation(pair, None, GenerateOptions(max_tokens=args.max_tokens, num_draft=num_draft))
     pair.generate("Hello", max_tokens=2, num_draft=num_draft)  # warm-up: first-call costs out of the table
 
     def cold(ids: list[int]) -> tuple[float, int]:
         """The same first round as the chat's, from a fresh session (empty caches)."""
         tic = time.perf_counter()
-        gen = pair.stream(ids, max_tokens=args.max_tokens, num_draft=num_draft, session=pair.new_session(num_draft > 0))
+        gen = pair.stream(ids, max_tokens=args.max_tokens, num_draft=num_draft, session=pair.new_session(num_draft=num_draft))
         first = next(gen)
         ttft = time.perf_counter() - tic
         gen.close()

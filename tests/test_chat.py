@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 import mlxspec
-from mlxspec.chat import Conversation, Sampling, StopFlag
+from mlxspec.chat import Conversation, StopFlag
+from mlxspec.options import GenerateOptions
 from mlxspec.cli import cli
 from mlxspec import resolve
 
@@ -77,7 +78,7 @@ def test_generate_chat_applies_the_template(tiny_pair_dir):
 
 def test_turns_prefill_only_the_new_message_and_match_a_fresh_session(tiny_pair_dir):
     pair = mlxspec.load(tiny_pair_dir)
-    conv = Conversation(pair, "w7", Sampling(max_tokens=12))
+    conv = Conversation(pair, "w7", GenerateOptions(max_tokens=12))
     r1 = conv.turn("w10 w11")
     ids2, _, reused = conv.prompt_ids("w20 w21 w22")
     assert reused and ids2[: conv.reply_end] == conv.tokens[: conv.reply_end]
@@ -96,7 +97,7 @@ def test_turns_prefill_only_the_new_message_and_match_a_fresh_session(tiny_pair_
 
 def test_stopping_a_reply_keeps_the_conversation_and_the_caches_consistent(tiny_pair_dir):
     pair = mlxspec.load(tiny_pair_dir)
-    conv = Conversation(pair, None, Sampling(max_tokens=40))
+    conv = Conversation(pair, None, GenerateOptions(max_tokens=40))
     stop = StopFlag()
     stop.hits = 1  # Ctrl-C already pressed: the reply stops after its first step
     r1 = conv.turn("w10 w11", stop=stop)
@@ -110,7 +111,7 @@ def test_stopping_a_reply_keeps_the_conversation_and_the_caches_consistent(tiny_
 
 def test_reset_starts_over(tiny_pair_dir):
     pair = mlxspec.load(tiny_pair_dir)
-    conv = Conversation(pair, "w7", Sampling(max_tokens=8))
+    conv = Conversation(pair, "w7", GenerateOptions(max_tokens=8))
     first = conv.turn("w10 w11").tokens
     conv.turn("w12")
     conv.reset()
@@ -121,7 +122,7 @@ def test_reset_starts_over(tiny_pair_dir):
 
 def test_piped_chat_one_reply_line_per_message(tiny_pair_dir):
     pair = mlxspec.load(tiny_pair_dir)
-    conv = Conversation(pair, None, Sampling(max_tokens=10))
+    conv = Conversation(pair, None, GenerateOptions(max_tokens=10))
     want = [conv.turn(m).text for m in ("w10 w11", "w20", "w30 w31")]
     r = run(["chat", "-t", str(tiny_pair_dir), "-n", "10"], input="w10 w11\n\nw20\n/stats\nw30 w31\n")
     assert r.exit_code == 0, r.output
@@ -146,7 +147,7 @@ def test_piped_chat_past_the_context_window_says_so_and_goes_on(tiny_pair_dir):
 
 def test_a_reply_is_capped_by_the_room_left_in_the_context(tiny_pair_dir):
     pair = mlxspec.load(tiny_pair_dir)
-    conv = Conversation(pair, None, Sampling(max_tokens=200))
+    conv = Conversation(pair, None, GenerateOptions(max_tokens=200))
     notes = []
     conv.turn(" ".join(f"w{6 + i % 50}" for i in range(180)), on_limit=notes.append)
     assert notes and "nearly full" in notes[0]

@@ -18,7 +18,7 @@ import mlxspec
 from mlxspec.adaptive import AdaptiveLength, FixedLength, best_length, expected_tokens
 from mlxspec.drafters import LookupDrafter, ModelLookupDrafter
 from mlxspec.errors import MlxspecError
-from mlxspec.lookup import Match, NGramIndex
+from mlxspec.drafters.ngram import Match, NGramIndex
 from mlxspec.sampling import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 40, 33, 12, 8, 8, 8, 21, 60, 3, 17]]
@@ -399,7 +399,7 @@ def test_generate_stats_line_names_the_proposers(tiny_pair_dir):
 def test_bad_draft_length_options(tiny_pair_dir):
     for cmd in (["generate", "--prompt", "w10"], ["bench"]):
         r, _ = _cli([cmd[0], "-t", str(tiny_pair_dir), *cmd[1:], "--draft-min", "4", "--draft-max", "2"])
-        assert r.exit_code == 2 and "--draft-max (2) is below --draft-min (4)" in r.output
+        assert r.exit_code == 2 and "--draft-max (2) must be >= --draft-min (4)" in r.output
         r, _ = _cli([cmd[0], "-t", str(tiny_pair_dir), *cmd[1:], "--drafter", "ngram"])
         assert r.exit_code == 2
 

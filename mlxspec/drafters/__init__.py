@@ -1,0 +1,68 @@
+"""Drafters propose tokens; the engine verifies them with exact acceptance.
+
+A drafter keeps whatever state it needs (a KV cache, an n-gram index) in step with the
+sequence the engine hands it, and returns lazy arrays: proposing builds an MLX graph that the
+engine evaluates together with verification, once per round. One module per drafter; this file
+is the registry that maps a `drafter=` name to the function that builds it for a pair.
+
+    base.py      Draft, the Drafter protocol, fit_vocab
+    model.py     a small model of the target's family (ModelDrafter)
+    lookup.py    prompt lookup over an incremental n-gram index (ngram.py)
+    combined.py  lookup when it matches, the model otherwise
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..adaptive import weight_ratio
+from ..cached_lm import CachedLM, common_prefix  # noqa: F401  (re-exported: drafters feed models too)
+from ..errors import MlxspecError
+from .base import Draft, Drafter, fit_vocab  # noqa: F401
+from .combined import ModelLookupDrafter
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+if TYPE_CHECKING:
+    from ..engine import Pair
+    from ..options import GenerateOptions
+
+
+def _model(pair: "Pair", opts: "GenerateOptions") -> Drafter:
+    return ModelDrafter(pair.draft, cost=weight_ratio(pair.draft, pair.target))
+
+
+def _lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
+    return LookupDrafter(opts.ngram_min, opts.ngram_max)
+
+
+def _model_lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
+    return ModelLookupDrafter(_model(pair, opts), _lookup(pair, opts), min_match=max(opts.ngram_min, 2))
+
+
+# name -> builder; NEEDS_DRAFT_MODEL: the names that cannot run without pair.draft
+BUILDERS: dict[str, Callable[["Pair", "GenerateOptions"], Drafter]] = {
+    "model": _model,
+    "lookup": _lookup,
+    "model+lookup": _model_lookup,
+}
+NEEDS_DRAFT_MODEL = {"model", "model+lookup"}
+DRAFTERS = ("auto", *BUILDERS, "none")
+
+
+def auto_drafter(pair: "Pair") -> str:
+    """What drafter="auto" means for this pair."""
+    return "model" if pair.draft is not None else "none"
+
+
+def build_drafter(pair: "Pair", opts: "GenerateOptions") -> Drafter | None:
+    """The drafter that `opts` asks for, for this pair (None: decode with the target alone)."""
+    name = auto_drafter(pair) if opts.drafter == "auto" else opts.drafter
+    if not opts.speculates or name == "none":
+        return None
+    if name in NEEDS_DRAFT_MODEL and pair.draft is None:
+        raise MlxspecError(
+            f"drafter {name!r} needs a draft model: load one with "
+            f"mlxspec.load(target, draft=...), or use drafter='lookup'"
+        )
+    return BUILDERS[name](pair, opts)

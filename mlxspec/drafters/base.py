@@ -1,0 +1,77 @@
+"""What every drafter shares: the Draft it returns, the protocol the engine calls, and the
+helper that fits a draft's logits to the target's vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: mx.array  # (k,) uint32, may be lazy
+    q: mx.array | None  # (k, V_target) processed draft distribution; None: one-hot proposal
+    source: str  # which drafter proposed them ("model", "lookup", ...)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(Protocol):
+    name: str
+
+    def prefill(self, seq: Sequence[int]) -> None:
+        """Catch up with the sequence (prompt plus text so far) before the first round."""
+
+    def propose(
+        self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
+    ) -> Draft | None:
+        """Propose up to k tokens to follow seq (None or an empty draft: nothing to propose)."""
+
+    def commit(self, draft_tokens: list[int]) -> None:
+        """The round's draft tokens as ints, once the engine has evaluated them."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    m = min(len(a), len(b))
+    if list(a[:m]) == list(b[:m]):
+        return m
+    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
+    """Make draft logits (..., V_d) cover exactly the target's V entries: entries the target has
+    but the draft lacks get -inf (q = 0 there), entries past the target's size are dropped (the
+    draft's distribution is whatever it samples from; exactness only needs q to be that)."""
+    d = logits.shape[-1]
+    if d == vocab:
+        return logits
+    if d > vocab:
+        return logits[..., :vocab]
+    pad = mx.full((*logits.shape[:-1], vocab - d), -float("inf"), dtype=logits.dtype)
+    return mx.concatenate([logits, pad], axis=-1)
+
+
+def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
+    """Make draft logits (..., V_d) cover exactly the target's V entries: entries the target has
+    but the draft lacks get -inf (q = 0 there), entries past the target's size are dropped (the
+    draft's distribution is whatever it samples from; exactness only needs q to be that)."""
+    d = logits.shape[-1]
+    if d == vocab:
+        return logits
+    if d > vocab:
+        return logits[..., :vocab]
+    pad = mx.full((*logits.shape[:-1], vocab - d), -float("inf"), dtype=logits.dtype)
+    return mx.concatenate([logits, pad], axis=-1)
