@@ -8,6 +8,8 @@
 
 __version__ = "0.1.0"
 
+# first: MLX_ENABLE_TF32=0 before MLX runs a matmul (float32 stays float32 on CUDA; platform.py)
+from . import platform as _platform  # noqa: E402, F401
 from .engine import Chunk, GenerationResult, Pair, Session, Stats  # noqa: E402
 from .errors import (  # noqa: E402
     MlxspecError,
@@ -17,6 +19,7 @@ from .errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from .loading import load  # noqa: E402
+from .options import GenerateOptions  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "Chunk",
     "GenerationResult",
     "SamplingParams",
+    "GenerateOptions",
     "MlxspecError",
     "ModelNotFoundError",
     "ModelTooLargeError",
