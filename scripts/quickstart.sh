@@ -19,6 +19,26 @@ fi
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[test]"
 
+# Linux: MLX's CPU wheel bundles a slow reference BLAS (a 1.5B model decodes ~5x slower). Without a
+# system OpenBLAS, unpack the Debian packages into .venv/openblas (no root: apt-get download +
+# dpkg -x); the mlxspec command finds it there and preloads it (mlxspec/platform.py).
+if [ "$(uname)" = "Linux" ] && command -v apt-get >/dev/null && command -v dpkg >/dev/null \
+   && ! ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 \
+   && ! ls .venv/openblas/usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1; then
+  echo "Fetching OpenBLAS into .venv/openblas (no root needed) ..."
+  libs="$({ ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null || true)"
+  pkgs="libopenblas0-pthread"
+  echo "$libs" | grep -q 'libgfortran.so.5' || pkgs="$pkgs libgfortran5"
+  if [ "$(uname -m)" = "x86_64" ]; then echo "$libs" | grep -q 'libquadmath.so.0' || pkgs="$pkgs libquadmath0"; fi
+  tmp="$(mktemp -d)"
+  if (cd "$tmp" && apt-get download $pkgs >/dev/null 2>&1); then
+    for deb in "$tmp"/*.deb; do dpkg -x "$deb" .venv/openblas; done
+  else
+    echo "  could not download it; MLX keeps its slow BLAS (fix: sudo apt-get install libopenblas0-pthread)" >&2
+  fi
+  rm -rf "$tmp"
+fi
+
 if [ "${1:-}" = "test" ]; then
   shift
   exec python -m pytest -q "$@"
