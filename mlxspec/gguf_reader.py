@@ -8,9 +8,9 @@ classes use, and llama.cpp's changes to the weights are undone:
 - llama: `attn_q` / `attn_k` rows are permuted for llama.cpp's rotary layout;
 - gemma3: RMSNorm weights are stored as `1 + w`.
 
-The tokenizer is rebuilt from the metadata with transformers' own GGUF tokenizer builders
-(byte-level BPE for gpt2-style vocabularies such as Qwen2 and SmolLM, SentencePiece-BPE for
-llama/gemma ones), which work without torch.
+The tokenizer is rebuilt from the metadata with the public `tokenizers` API (byte-level BPE for
+gpt2-style vocabularies such as Qwen2 and SmolLM, SentencePiece-BPE for llama/gemma ones); it
+does not depend on transformers' private GGUF helpers, which change between releases.
 """
 
 from __future__ import annotations
@@ -314,6 +314,21 @@ class GGUFModel:
         with open(out_dir / "special_tokens_map.json", "w") as f:
             json.dump(special, f, indent=2, ensure_ascii=False)
 
+    def _tokenizer_spec(self) -> "_TokenizerSpec":
+        tokens = [str(t) for t in self._get("tokenizer.ggml.tokens") or ()]
+        ids = (self._get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding"))
+        return _TokenizerSpec(
+            model=str(self._get("tokenizer.ggml.model", "")),
+            pre=self._get("tokenizer.ggml.pre"),
+            tokens=tokens,
+            token_types=list(self._get("tokenizer.ggml.token_type") or ()),
+            scores=self._get("tokenizer.ggml.scores"),
+            merges=self._get("tokenizer.ggml.merges"),
+            special_ids={int(i) for i in ids if i is not None and 0 <= int(i) < len(tokens)},
+            unk_id=self._get("tokenizer.ggml.unknown_token_id"),
+            add_space_prefix=self._get("tokenizer.ggml.add_space_prefix"),
+        )
+
     def build_tokenizer(self):
         """A `tokenizers.Tokenizer` and a tokenizer_config dict rebuilt from the metadata."""
         tokens = self._get("tokenizer.ggml.tokens")
@@ -323,35 +338,15 @@ class GGUFModel:
                 f"{self.path.name} has no tokenizer in its metadata "
                 "(tokenizer.ggml.model / tokenizer.ggml.tokens); cannot write a tokenizer"
             )
-        import logging
-
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
-
-        tok_dict: dict[str, Any] = {}
-        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
-            v = self._get(f"tokenizer.{key}")
-            if v is not None:
-                tok_dict[name] = v
         try:
-            tokenizer, _ = convert_gguf_tokenizer(self.arch, tok_dict)
+            tokenizer = build_gguf_tokenizer(self.arch, self._tokenizer_spec())
+        except GGUFError as e:
+            raise GGUFError(f"{self.path.name}: {e}") from None
         except Exception as e:
             raise GGUFError(
                 f"cannot build a tokenizer from {self.path.name} "
-                f"(tokenizer.ggml.model={model!r}): {e}"
+                f"(tokenizer.ggml.model={model!r}): {type(e).__name__}: {e}"
             ) from None
-        pre = tok_dict.get("pre_tokenizer_type")
-        if pre == "smollm":
-            # SmolLM's own tokenizer.json splits digits one by one before the byte-level step
-            from tokenizers import pre_tokenizers
-
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ])
 
         def tok(key: str) -> str | None:
             i = self._get(f"tokenizer.ggml.{key}")
@@ -376,6 +371,210 @@ class GGUFModel:
             cfg["chat_template"] = template
         _set_bos_post_processor(tokenizer, cfg)
         return tokenizer, cfg
+
+
+# -- the tokenizer, rebuilt with the public `tokenizers` API only ------------------------------
+#
+# A GGUF has no tokenizer.json: it stores llama.cpp's vocabulary (`tokenizer.ggml.*`). The two
+# kinds the supported architectures use are rebuilt here, the way llama.cpp tokenizes them and
+# the way the models' own tokenizer.json files are written:
+#
+# - "gpt2": byte-level BPE (Qwen2/3, SmolLM, Llama 3). Merges from the file; the split regex
+#   named by `tokenizer.ggml.pre`.
+# - "llama": SentencePiece BPE with byte fallback (Llama 2, Gemma 3). Merges from the file, or,
+#   as SentencePiece files store none, derived from the token scores (Gemma: from the order).
+#
+# Nothing here imports transformers, whose GGUF helpers are private and change between releases.
+
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4  # llama.cpp's token types
+
+# Split regexes of byte-level vocabularies, by `tokenizer.ggml.pre` (from llama.cpp / the models'
+# own tokenizer.json). A name not listed gets GPT-2's (ByteLevel's built-in regex).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx",
+                     "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+}
+# SentencePiece vocabularies that prefix no space and store runs of spaces as spaces
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+
+
+@dataclass
+class _TokenizerSpec:
+    """The `tokenizer.ggml.*` metadata a tokenizer is built from."""
+
+    model: str  # tokenizer.ggml.model: "gpt2" or "llama"
+    pre: str | None
+    tokens: list[str]
+    token_types: list[int]
+    scores: list[float] | None
+    merges: list[str] | None
+    special_ids: set[int]  # bos, eos, unk, pad
+    unk_id: int | None = None
+    add_space_prefix: bool | None = None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies are spelled in it)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+          *range(ord("\xae"), ord("\xff") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens,
+    best-scored merged token first (llama.cpp merges the best-scored pair first)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _file_merges(merges) -> list[tuple[str, str]]:
+    out = []
+    for m in merges:
+        a, sep, b = str(m).partition(" ")
+        if not sep:
+            raise GGUFError(f"malformed tokenizer.ggml.merges entry {m!r}")
+        out.append((a, b))
+    return out
+
+
+def build_gguf_tokenizer(arch: str, spec: _TokenizerSpec):
+    """The `tokenizers.Tokenizer` a GGUF vocabulary describes (see the comment above)."""
+    if spec.model == "gpt2":
+        tokenizer, spelled = _byte_level_bpe(spec)
+    elif spec.model == "llama":
+        tokenizer, spelled = _sentencepiece_bpe(arch, spec)
+    else:
+        raise GGUFError(
+            f"tokenizer.ggml.model {spec.model!r} is not supported (supported: gpt2, llama)")
+    _add_gguf_special_tokens(tokenizer, spec, spelled)
+    return tokenizer
+
+
+def _byte_level_bpe(spec: _TokenizerSpec):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+               for t in spec.tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if not spec.merges:
+        raise GGUFError("a byte-level (gpt2) vocabulary without tokenizer.ggml.merges")
+    tokenizer = Tokenizer(models.BPE(vocab, _file_merges(spec.merges), dropout=None,
+                                     continuing_subword_prefix="", end_of_word_suffix="",
+                                     fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    split = _PRE_SPLITS.get(spec.pre or "")
+    if split is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    elif spec.pre == "smollm":
+        # SmolLM's own tokenizer.json splits digits one by one before GPT-2's byte-level regex
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, spelled
+
+
+def _sentencepiece_bpe(arch: str, spec: _TokenizerSpec):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    gemma = arch in _GEMMA_ARCHS
+    tokens = spec.tokens
+    if gemma:  # a token of 2+ spaces is stored as spaces; Gemma's tokenizer spells it with U+2581
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if spec.merges:
+        merges = _file_merges(spec.merges)
+    elif gemma:  # Gemma's scores do not follow its merge order; the token order does
+        merges = _merges_from_scores(vocab, {t: -i for i, t in enumerate(tokens)})
+    elif spec.scores is not None and len(spec.scores) == len(tokens):
+        merges = _merges_from_scores(vocab, dict(zip(tokens, map(float, spec.scores))))
+    else:
+        raise GGUFError("a SentencePiece (llama) vocabulary with neither merges nor scores")
+    unk = None
+    if spec.unk_id is not None and 0 <= int(spec.unk_id) < len(tokens):
+        unk = tokens[int(spec.unk_id)]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
+                                     byte_fallback=True, dropout=None))
+    replace = decoders.Replace("\u2581", " ")
+    if gemma:
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+        tokenizer.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()])
+    else:
+        prefix = spec.add_space_prefix is None or bool(spec.add_space_prefix)
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+        steps = [replace, decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+        tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer, tokens
+
+
+def _add_gguf_special_tokens(tokenizer, spec: _TokenizerSpec, spelled: list[str]) -> None:
+    """Control tokens (and bos/eos/unk/pad) become special added tokens, user-defined ones plain
+    added tokens: llama.cpp matches both whole in the text. A byte-level "control" token spelled
+    outside the byte alphabet is a llama.cpp mislabel and is left alone."""
+    from tokenizers import AddedToken
+
+    types = spec.token_types
+    special, user = [], []
+    for i, (orig, tok) in enumerate(zip(spec.tokens, spelled)):
+        kind = types[i] if i < len(types) else _TOKEN_NORMAL
+        if kind == _TOKEN_CONTROL or i in spec.special_ids:
+            if spec.model != "gpt2" or tok == orig:
+                special.append(AddedToken(tok, normalized=False, special=True))
+        elif kind == _TOKEN_USER_DEFINED:
+            user.append(AddedToken(tok, normalized=False, special=False))
+    if special:
+        tokenizer.add_special_tokens(special)
+    if user:
+        tokenizer.add_tokens(user)
 
 
 def _set_bos_post_processor(tokenizer, cfg: dict[str, Any]) -> None:

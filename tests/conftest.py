@@ -10,6 +10,20 @@ from mlx_lm.models import llama
 VOCAB = 64
 
 
+def importable_env(**extra: str) -> dict[str, str]:
+    """os.environ for a child `sys.executable` that imports the same mlxspec and dependencies
+    as this process, however they were installed (editable, wheel, PYTHONPATH): PYTHONPATH is
+    the folder holding the imported mlxspec, then this process's sys.path. `extra` is added."""
+    import os
+    import sys
+
+    import mlxspec
+
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(mlxspec.__file__)))
+    paths = dict.fromkeys([pkg_root, *(os.path.abspath(p) for p in sys.path if p)])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
+
+
 def tiny_llama(seed: int, vocab: int = VOCAB, hidden: int = 32, layers: int = 2, scale: float = 4.0):
     """A 2-layer llama with its random init scaled up, so greedy output does not collapse."""
     args = llama.ModelArgs(

@@ -7,7 +7,6 @@ the interactive loop, Ctrl-C and Ctrl-D included.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from mlxspec.options import GenerateOptions
 from mlxspec.cli import cli
 from mlxspec import resolve
 
-from conftest import save_tiny, tiny_llama, perturbed
+from conftest import importable_env, perturbed, save_tiny, tiny_llama
 
 PROMPT = "w10 w11 w12 w13"
 
@@ -282,7 +281,7 @@ def endless_pair_dir(tmp_path_factory):
 
 def test_interactive_chat_in_a_terminal(endless_pair_dir):
     pexpect = pytest.importorskip("pexpect")
-    env = dict(os.environ, MLXSPEC_NO_OPENBLAS="1", TERM="xterm", NO_COLOR="")
+    env = importable_env(MLXSPEC_NO_OPENBLAS="1", TERM="xterm", NO_COLOR="")
     child = pexpect.spawn(
         sys.executable, ["-m", "mlxspec.cli", "chat", "-t", str(endless_pair_dir), "-n", "400", "-k", "4",
                          "--show-draft"],
@@ -330,7 +329,7 @@ def test_interactive_chat_in_a_terminal(endless_pair_dir):
 
 def test_ctrl_c_at_the_prompt_exits_zero(tiny_pair_dir):
     pexpect = pytest.importorskip("pexpect")
-    env = dict(os.environ, MLXSPEC_NO_OPENBLAS="1")
+    env = importable_env(MLXSPEC_NO_OPENBLAS="1")
     child = pexpect.spawn(sys.executable, ["-m", "mlxspec.cli", "chat", "-t", str(tiny_pair_dir)],
                           env=env, encoding="utf-8", timeout=60)
     child.expect(">>> ")

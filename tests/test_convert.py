@@ -19,6 +19,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 from click.testing import CliRunner  # noqa: E402
+from conftest import importable_env  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from mlxspec import convert as conv  # noqa: E402
@@ -115,12 +116,14 @@ def write_hf(folder: Path, arch: str = "llama", seed: int = 0, tied: bool = Fals
 def write_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = False,
                qtype: str = "F32", tok: Tokenizer | None = None,
                w: dict[str, np.ndarray] | None = None, raw: dict | None = None,
-               raw_type=None, arch_name: str | None = None) -> dict[str, np.ndarray]:
+               raw_type=None, arch_name: str | None = None,
+               spm: list[tuple[str, float, int]] | None = None) -> dict[str, np.ndarray]:
     """A GGUF file as llama.cpp writes it, from known Hugging Face-named weights.
 
-    `raw` maps some names to already-quantized blocks of `raw_type`, written as they are."""
+    `raw` maps some names to already-quantized blocks of `raw_type`, written as they are.
+    `spm` (token, score, type) rows give a SentencePiece vocabulary instead of `tok`'s."""
     tok = tok or _tokenizer()
-    vocab = tok.get_vocab_size()
+    vocab = len(spm) if spm else tok.get_vocab_size()
     w = w if w is not None else _weights(arch, vocab, seed, tied)
     writer = gguf.GGUFWriter(str(path), arch_name or arch)
     writer.add_block_count(LAYERS)
@@ -132,18 +135,27 @@ def write_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = Fals
     writer.add_rope_freq_base(100000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(0)
-    inv = {i: t for t, i in tok.get_vocab().items()}
-    tokens = [inv[i] for i in range(vocab)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_bos_token_id(tok.token_to_id("<|endoftext|>"))
-    writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
-    writer.add_pad_token_id(tok.token_to_id("<|endoftext|>"))
-    writer.add_add_bos_token(False)
+    if spm:  # llama.cpp's SentencePiece layout: scores, no merges, BOS added by default
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([t for t, _, _ in spm])
+        writer.add_token_scores([sc for _, sc, _ in spm])
+        writer.add_token_types([ty for _, _, ty in spm])
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+    else:
+        inv = {i: t for t, i in tok.get_vocab().items()}
+        tokens = [inv[i] for i in range(vocab)]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+        merges = json.loads(tok.to_str())["model"]["merges"]
+        writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        writer.add_bos_token_id(tok.token_to_id("<|endoftext|>"))
+        writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+        writer.add_pad_token_id(tok.token_to_id("<|endoftext|>"))
+        writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
 
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -183,15 +195,19 @@ def rest_is(name: str, proj: str) -> bool:
     return f".self_attn.{proj}." in name
 
 
+# The split regex of Qwen2's own tokenizer.json, written out here so that the reference does
+# not come from the code under test (nor from transformers' internals).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def _as_qwen2(tok: Tokenizer) -> Tokenizer:
-    """The same vocabulary with Qwen2's split regex, which a qwen2 GGUF (pre "qwen2") asks for
-    and transformers' Qwen2Tokenizer applies."""
+    """The same vocabulary with Qwen2's split regex, which a qwen2 GGUF (pre "qwen2") asks for."""
     from tokenizers import Regex
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     t = Tokenizer.from_str(tok.to_str())
     t.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return t
 
@@ -303,6 +319,52 @@ def test_gguf_f32_round_trip_exact(arch, tied, tok, tmp_path):
     assert t.chat_template == TEMPLATE
 
 
+SPM_TEXTS = [TEXT, "the quick brown fox jumps over the lazy dog", "import numpy as np"]
+
+
+def _sentencepiece() -> tuple[Tokenizer, list[tuple[str, float, int]]]:
+    """A SentencePiece-style BPE (Metaspace) trained here, and the (token, score, type) rows a
+    llama.cpp GGUF stores for it: <unk> <s> </s>, 256 byte tokens, the pieces in merge order
+    scored -rank, then a user-defined <think>; no merges (llama.cpp derives them from scores)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(SPM_TEXTS * 3 + ["hello world, " * 3], vocab_size=400, show_progress=False)
+    base = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces = [t for t, _ in sorted(sp.get_vocab().items(), key=lambda kv: kv[1]) if t not in base]
+    rows = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
+    rows += [(t, 0.0, 6) for t in base[3:]]
+    rows += [(t, -float(r), 1) for r, t in enumerate(pieces)]
+    rows.append(("<think>", 0.0, 4))
+    return sp._tokenizer, rows
+
+
+def test_gguf_sentencepiece_tokenizer(tmp_path):
+    """A llama-style (SentencePiece) vocabulary, rebuilt from its scores alone, tokenizes like
+    the original; gemma3's flavour (no prefix space, spaces kept as U+2581) too."""
+    from mlx_lm import load
+
+    from mlxspec.gguf_reader import GGUFModel, build_gguf_tokenizer
+
+    ref, rows = _sentencepiece()
+    write_gguf(tmp_path / "m.gguf", "llama", seed=4, spm=rows)
+    out = conv.convert(tmp_path / "m.gguf", tmp_path / "out", dtype="float32", progress=False)
+    _, t = load(str(out))
+    for text in SPM_TEXTS + ["ase brn ell ern"]:  # the last depends on the merge order
+        ids = t.encode(text, add_special_tokens=False)
+        assert t.convert_ids_to_tokens(ids) == ref.encode(text).tokens, text
+        assert t.decode(ids) == text
+    assert t.encode("hi")[0] == 1  # llama.cpp adds BOS to a SentencePiece vocabulary by default
+    ids = t.encode("a <think> b<0x41>", add_special_tokens=False)
+    assert "<think>" in t.convert_ids_to_tokens(ids)  # user-defined tokens stay whole
+    assert t.decode(t.encode("snow ☃ man", add_special_tokens=False)) == "snow ☃ man"  # bytes
+    spec = GGUFModel(tmp_path / "m.gguf")
+    gemma = build_gguf_tokenizer("gemma3", spec._tokenizer_spec())
+    for text in SPM_TEXTS[1:]:  # no double spaces: Gemma merges spaces, SentencePieceBPE splits
+        assert gemma.encode(" " + text).tokens == ref.encode(text).tokens
+        assert gemma.decode(gemma.encode(text).ids) == text
+
+
 # error bound relative to the largest |w| in the tensor
 _QUANT_TOL = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.01, "Q5_0": 0.07, "Q4_0": 0.15, "Q4_1": 0.1}
 
@@ -377,7 +439,7 @@ def _hub_cache(home: Path, repo: str, src: Path) -> None:
 def _run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     code = "import sys; from mlxspec.convert import convert_command; convert_command(sys.argv[1:])"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, timeout=120)
+                          env=importable_env(**env), timeout=120)
 
 
 def test_hub_repo_from_offline_cache(hf_llama, tok, tmp_path):
