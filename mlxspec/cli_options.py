@@ -59,6 +59,10 @@ _FLAGS: dict[str, tuple[str, Callable[..., Callable]]] = {
         "--ngram-min", type=click.IntRange(min=1), default=1, show_default=True, help="Shortest lookup n-gram.")),
     "ngram_max": ("drafting", lambda n: click.option(
         "--ngram-max", type=click.IntRange(min=1), default=4, show_default=True, help="Longest lookup n-gram.")),
+    "draft_vocab": ("drafting", lambda n: click.option(
+        "--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True,
+        help="Draft among the N most frequent token ids only (a smaller output layer: cheaper draft "
+             "steps, still exact); 0: the full vocabulary.")),
 }
 
 

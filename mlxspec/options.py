@@ -32,6 +32,7 @@ class GenerateOptions:
     draft_p_min: float | None = None  # stop a model draft below this top probability
     ngram_min: int = 1  # prompt lookup's n-gram sizes
     ngram_max: int = 4
+    draft_vocab: int = 0  # draft among the N most frequent token ids only (0: all; drafters/model.py)
     profile: bool = False  # split draft and verify time (one more host wait per round)
 
     def __post_init__(self) -> None:
@@ -48,6 +49,8 @@ class GenerateOptions:
             raise ValueError(f"draft_max ({self.draft_max}) must be >= draft_min ({self.draft_min})")
         if self.draft_p_min is not None and not 0.0 < self.draft_p_min <= 1.0:
             raise ValueError(f"draft_p_min must be in (0, 1], got {self.draft_p_min}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: the full vocabulary), got {self.draft_vocab}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         if self.drafter not in DRAFTERS:

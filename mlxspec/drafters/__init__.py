@@ -9,6 +9,8 @@ is the registry that maps a `drafter=` name to the function that builds it for a
     model.py     a small model of the target's family (ModelDrafter)
     lookup.py    prompt lookup over an incremental n-gram index (ngram.py)
     combined.py  lookup when it matches, the model otherwise
+    features.py  the target's tapped features in step with the sequence (trained heads)
+    eagle3.py    an EAGLE-3 head drafts from the target's features (heads/eagle3.py)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..errors import MlxspecError
 from .base import Draft, Drafter, fit_vocab  # noqa: F401
 from .combined import ModelLookupDrafter
 from .lookup import LookupDrafter
-from .model import ModelDrafter
+from .model import ModelDrafter, draft_vocab_ids
 
 if TYPE_CHECKING:
     from ..engine import Pair
@@ -29,7 +31,8 @@ if TYPE_CHECKING:
 
 
 def _model(pair: "Pair", opts: "GenerateOptions") -> Drafter:
-    return ModelDrafter(pair.draft, cost=weight_ratio(pair.draft, pair.target))
+    ids = draft_vocab_ids(opts.draft_vocab, pair.vocab_size, pair.eos_token_ids) if opts.draft_vocab else None
+    return ModelDrafter(pair.draft, cost=weight_ratio(pair.draft, pair.target), vocab_ids=ids)
 
 
 def _lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
@@ -40,18 +43,28 @@ def _model_lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
     return ModelLookupDrafter(_model(pair, opts), _lookup(pair, opts), min_match=max(opts.ngram_min, 2))
 
 
-# name -> builder; NEEDS_DRAFT_MODEL: the names that cannot run without pair.draft
+def _head(pair: "Pair", opts: "GenerateOptions") -> Drafter:
+    return pair.head.make_drafter(pair, opts)  # heads/__init__.py: one drafter per head family
+
+
+# name -> builder; NEEDS_DRAFT_MODEL: the names that cannot run without pair.draft (a draft
+# model); NEEDS_HEAD: without pair.head (a trained head, heads/). Both come from `draft=` in
+# mlxspec.load, so a name in either set needs the draft argument loaded (chat's wants_draft_model).
 BUILDERS: dict[str, Callable[["Pair", "GenerateOptions"], Drafter]] = {
     "model": _model,
     "lookup": _lookup,
     "model+lookup": _model_lookup,
+    "head": _head,
 }
 NEEDS_DRAFT_MODEL = {"model", "model+lookup"}
+NEEDS_HEAD = {"head"}
 DRAFTERS = ("auto", *BUILDERS, "none")
 
 
 def auto_drafter(pair: "Pair") -> str:
-    """What drafter="auto" means for this pair."""
+    """What drafter="auto" means for this pair: its trained head, else its draft model, else none."""
+    if getattr(pair, "head", None) is not None:
+        return "head"
     return "model" if pair.draft is not None else "none"
 
 
@@ -64,5 +77,10 @@ def build_drafter(pair: "Pair", opts: "GenerateOptions") -> Drafter | None:
         raise MlxspecError(
             f"drafter {name!r} needs a draft model: load one with "
             f"mlxspec.load(target, draft=...), or use drafter='lookup'"
+        )
+    if name in NEEDS_HEAD and getattr(pair, "head", None) is None:
+        raise MlxspecError(
+            f"drafter {name!r} needs a trained draft head: load one with "
+            f"mlxspec.load(target, draft=HEAD_FOLDER), or use drafter='lookup'"
         )
     return BUILDERS[name](pair, opts)

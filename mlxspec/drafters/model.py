@@ -1,25 +1,156 @@
-"""A small model of the target's family drafts autoregressively."""
+"""A small model of the target's family drafts autoregressively.
+
+Reduced draft vocabulary (FR-Spec, Zhao et al. 2025): the draft's output layer can be cut to the
+N tokens most likely to be needed (`draft_vocab=N`). The draft then samples only among those, q is
+its distribution over them (zero elsewhere) and the drawn index maps back to its full-vocabulary
+id. Acceptance stays exact, since exactness only needs q to be what the draft sampled from; a
+target token outside the N can still be emitted (by the target, after a rejection), it just cannot
+be proposed. What is saved: the output projection is (V x hidden), for Qwen2.5-0.5B 136M of its
+494M weights, read in full at every draft step.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import Counter
+from typing import Iterable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cached_lm import CachedLM
+from ..errors import UnsupportedModelError
 from ..sampling import SamplingParams, log_probs
 from .base import Draft, fit_vocab
 
 
+def draft_vocab_ids(n: int, vocab: int, keep: Iterable[int] = ()) -> list[int]:
+    """The N ids a reduced draft keeps, by the token-id-order proxy: byte-level BPE vocabularies
+    (Qwen, Llama 3, GPT-2) number tokens by merge rank, so lower ids are the more frequent. `keep`
+    (the end-of-generation ids, which sit at the end of the vocabulary) is always included."""
+    if n <= 0:
+        raise ValueError(f"draft_vocab must be positive, got {n}")
+    kept = {int(t) for t in keep if 0 <= int(t) < vocab}
+    rest = [i for i in range(min(n, vocab)) if i not in kept][: max(0, n - len(kept))]
+    return sorted(kept.union(rest))
+
+
+def draft_vocab_from_text(tokenizer, texts: Iterable[str], n: int, keep: Iterable[int] = ()) -> list[int]:
+    """The N ids most frequent in `texts` (your own prompts and replies), topped up by id order
+    when the text uses fewer than N distinct tokens; `keep` always included."""
+    counts: Counter[int] = Counter()
+    for text in texts:
+        counts.update(tokenizer.encode(text, add_special_tokens=False))
+    vocab = len(tokenizer.get_vocab())
+    chosen = {int(t) for t in keep if 0 <= int(t) < vocab}
+    for t, _ in counts.most_common():
+        if len(chosen) >= n:
+            break
+        chosen.add(t)
+    for t in range(vocab):
+        if len(chosen) >= n:
+            break
+        chosen.add(t)
+    return sorted(chosen)
+
+
+class ReducedHead:
+    """The draft's output layer restricted to `ids`: hidden states (T, H) -> logits (T, N).
+
+    Supports models whose logits are `model.model(x)` followed by `lm_head` or the tied embedding
+    (and Gemma's final soft-capping); checked on construction against the model's own logits."""
+
+    def __init__(self, model: nn.Module, ids: Sequence[int]):
+        self.ids = sorted({int(i) for i in ids})
+        if not self.ids:
+            raise ValueError("a reduced draft vocabulary needs at least one token")
+        inner = getattr(model, "model", None)
+        lm_head = getattr(model, "lm_head", None)
+        proj = lm_head if lm_head is not None else getattr(inner, "embed_tokens", None)
+        name = getattr(model, "model_type", type(model).__name__)
+        if inner is None or proj is None:
+            raise UnsupportedModelError(f"draft_vocab: cannot find the output layer of the draft model ({name})")
+        width = proj.weight.shape[0]
+        if self.ids[-1] >= width:
+            raise ValueError(f"draft_vocab: token id {self.ids[-1]} is past the draft's {width} outputs")
+        self.inner, self.width = inner, width
+        self.prefix = self.ids == list(range(len(self.ids)))
+        idx = None if self.prefix else mx.array(self.ids, mx.uint32)
+        self.index = mx.array(self.ids, mx.uint32)
+
+        def rows(a: mx.array) -> mx.array:
+            return a[: len(self.ids)] if self.prefix else a[idx]
+
+        if isinstance(proj, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w, s = rows(proj["weight"]), rows(proj["scales"])
+            b = rows(proj["biases"]) if "biases" in proj else None
+            gs, bits, mode = proj.group_size, proj.bits, getattr(proj, "mode", "affine")
+            self._matmul = lambda h: mx.quantized_matmul(
+                h, w, scales=s, biases=b, transpose=True, group_size=gs, bits=bits, mode=mode)
+        else:
+            w = rows(proj.weight)
+            self._matmul = lambda h: h @ w.T
+        bias = getattr(lm_head, "bias", None) if lm_head is not None else None
+        self.bias = rows(bias) if bias is not None else None
+        cap = getattr(model, "final_logit_softcapping", None) or getattr(
+            getattr(model, "args", None), "final_logit_softcapping", None)
+        self.softcap = float(cap) if cap else None
+        self.head_fraction = _param_bytes(proj) / max(1, _param_bytes(model))  # of the draft's weights
+        self._check(model, name)
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        out = self._matmul(h)
+        if self.bias is not None:
+            out = out + self.bias
+        if self.softcap is not None:
+            out = mx.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def hidden(self, tokens: mx.array, cache) -> mx.array:
+        """(T,) tokens -> (T, H) final hidden states, through the model's own trunk and cache."""
+        return self.inner(tokens[None], cache=cache)[0]
+
+    def to_full(self, q: mx.array, vocab: int) -> mx.array:
+        """(N,) distribution over the kept ids -> (vocab,) over the full vocabulary (zeros elsewhere)."""
+        if self.prefix:
+            return mx.concatenate([q, mx.zeros((vocab - q.shape[-1],), q.dtype)]) if vocab > q.shape[-1] else q
+        return mx.zeros((vocab,), q.dtype).at[self.index].add(q)
+
+    def _check(self, model: nn.Module, name: str) -> None:
+        x = mx.array([[1, 2, 3]], mx.uint32)
+        full = model(x)[0]
+        mine = self(self.inner(x)[0])
+        ref = full[..., : self.size] if self.prefix else full[..., self.index]
+        tol = 1e-3 if full.dtype == mx.float32 else 3e-2
+        if full.shape[-1] != self.width or not mx.allclose(mine, ref, rtol=tol, atol=tol).item():
+            raise UnsupportedModelError(
+                f"draft_vocab is not supported for this draft model ({name}): its logits are not its "
+                "output layer applied to its final hidden states; use the full vocabulary")
+
+
+def _param_bytes(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
 class ModelDrafter:
     """A small model of the same family proposes k tokens autoregressively, keeping its full
-    processed distribution q at each position for exact acceptance."""
+    processed distribution q at each position for exact acceptance.
+
+    vocab_ids: draft only among these token ids (a reduced vocabulary: see the module docstring);
+    q still has the target's full width, zero outside them."""
 
     name = "model"
 
-    def __init__(self, model: nn.Module, cost: float = 0.0):
+    def __init__(self, model: nn.Module, cost: float = 0.0, vocab_ids: Sequence[int] | None = None):
         self.lm = CachedLM(model, "draft")
+        self.head = ReducedHead(model, vocab_ids) if vocab_ids is not None else None
+        if self.head is not None:  # a memory-bound step reads the kept rows of the output layer only
+            cost *= 1.0 - self.head.head_fraction * (1.0 - self.head.size / self.head.width)
         self._pending = 0  # drafted tokens fed to the cache whose values are not known yet
         self.costs = {self.name: cost}  # one draft step, in target steps (for adaptive length)
         # Early stop (the engine sets these per generation): stop drafting once the draft's top
@@ -32,6 +163,17 @@ class ModelDrafter:
     def prefill(self, seq: Sequence[int]) -> None:
         self.lm.prefill(seq)
 
+    def _logits(self, y: mx.array, known: list[int] | None, vocab: int) -> mx.array:
+        """The last position's logits: over the target's vocabulary, or over the kept ids."""
+        if self.head is None:
+            return fit_vocab(self.lm.forward(y, known=known)[-1], vocab)
+        if self.head.ids[-1] >= vocab:
+            raise ValueError(f"draft_vocab keeps token id {self.head.ids[-1]}, past the target's {vocab} tokens")
+        logits = self.head(self.head.hidden(y, self.lm.cache)[-1:])[0]
+        if known is not None:
+            self.lm.tokens.extend(known)
+        return logits
+
     def propose(
         self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
     ) -> Draft | None:
@@ -42,7 +184,7 @@ class ModelDrafter:
         keys = mx.random.split(key, k)
         tokens, qs = [], []
         for i in range(k):
-            logits = fit_vocab(self.lm.forward(y, known=feed if i == 0 else None)[-1], vocab)
+            logits = self._logits(y, feed if i == 0 else None, vocab)
             if self.p_min is not None and i >= self.min_tokens and self._unsure(logits, sp):
                 # x_1..x_i are proposed and all of them were fed: the cache holds them
                 self._pending = i
@@ -50,11 +192,13 @@ class ModelDrafter:
                     return None
                 return Draft(mx.stack(tokens), mx.stack(qs) if qs else None, self.name)
             if sp.greedy:
-                x = mx.argmax(logits, axis=-1).astype(mx.uint32)
+                j = mx.argmax(logits, axis=-1)
             else:
                 lp = log_probs(logits, sp)
-                x = mx.random.categorical(lp, key=keys[i]).astype(mx.uint32)
-                qs.append(mx.exp(lp))
+                j = mx.random.categorical(lp, key=keys[i])
+                q = mx.exp(lp)
+                qs.append(q if self.head is None else self.head.to_full(q, vocab))
+            x = (j if self.head is None else self.head.index[j]).astype(mx.uint32)
             tokens.append(x)
             y = x[None]
         self._pending = k - 1  # x_k is sampled but not fed
