@@ -22,7 +22,7 @@ from typing import Callable, Iterator, TextIO
 import click
 
 from .cli_options import generation_options
-from .drafters import NEEDS_DRAFT_MODEL
+from .drafters import NEEDS_DRAFT_MODEL, NEEDS_HEAD
 from .errors import MlxspecError
 from .options import GenerateOptions
 
@@ -62,7 +62,8 @@ def load_pair(target: str | None, draft: str | None, use_draft: bool, dtype: str
     except Exception as e:  # mlx-lm's own errors on a folder it cannot read (bad config, weights)
         raise MlxspecError(f"could not load {where}: {type(e).__name__}: {e}") from e
     pair.label = res.label
-    drafted = "with its draft" if pair.draft is not None else "without a draft"
+    drafted = ("with its draft" if pair.draft is not None else
+               f"with a trained {pair.head.family} head" if getattr(pair, "head", None) is not None else "without a draft")
     click.echo(f"Loaded in {time.perf_counter() - tic:.1f} s ({drafted}).", err=True)
     return pair
 
@@ -85,12 +86,14 @@ def max_context(pair) -> int | None:
 def drafts(options: GenerateOptions, pair) -> bool:
     """Whether these options speculate with this pair (an explicit drafter that needs a missing
     draft model says so when the session is made)."""
-    return options.speculates and (options.drafter != "auto" or pair.draft is not None)
+    has = pair.draft is not None or getattr(pair, "head", None) is not None
+    return options.speculates and (options.drafter != "auto" or has)
 
 
 def wants_draft_model(no_draft: bool, options: GenerateOptions) -> bool:
-    """Whether to load a draft model at all (lookup needs none)."""
-    return not no_draft and options.speculates and (options.drafter == "auto" or options.drafter in NEEDS_DRAFT_MODEL)
+    """Whether to load the draft (a draft model or a trained head) at all (lookup needs none)."""
+    needs = NEEDS_DRAFT_MODEL | NEEDS_HEAD
+    return not no_draft and options.speculates and (options.drafter == "auto" or options.drafter in needs)
 
 
 class StopFlag:

@@ -119,6 +119,8 @@ class Session:
         self.target = CachedLM(target, "target")
         self.drafter = drafter
         self.tokens: list[int] = []  # the sequence so far (prompt + generated)
+        if drafter is not None and hasattr(drafter, "attach"):
+            drafter.attach(self.target)  # drafters that read the target's state (trained heads)
 
     @property
     def cached_tokens(self) -> int:
@@ -126,11 +128,13 @@ class Session:
 
 
 class Pair:
-    """A target model and an optional draft model, sharing one tokenizer."""
+    """A target model and an optional draft model, sharing one tokenizer (or, instead of the
+    draft model, a trained head: heads.TrainedHead, which drafts from the target's features)."""
 
-    def __init__(self, target_model: nn.Module, draft_model: nn.Module | None = None, tokenizer=None):
+    def __init__(self, target_model: nn.Module, draft_model: nn.Module | None = None, tokenizer=None, head=None):
         self.target = target_model
         self.draft = draft_model
+        self.head = head
         self.tokenizer = tokenizer
         self.eos_token_ids: set[int] = stop_tokens(tokenizer)
         self.vocab_size = _vocab_size(target_model)

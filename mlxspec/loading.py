@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from .engine import Pair
 from .errors import ModelNotFoundError, ModelTooLargeError, PairMismatchError
+from .heads import is_head, load_trained_head
 from .platform import physical_memory
 
 PAIR_MANIFEST = "mlxspec-pair.json"
@@ -116,7 +117,9 @@ def check_pair(target_tok, draft_tok) -> None:
 
 
 def load(target: str | Path, draft: str | Path | None = None, dtype: str | None = None) -> Pair:
-    """Load a target and an optional draft (local folders, pair folders or hub repo ids)."""
+    """Load a target and an optional draft (local folders, pair folders or hub repo ids). The
+    draft may be a trained head folder (EAGLE-3: heads/): it becomes `pair.head`, checked
+    against the target, and drafter="auto" drafts with it."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     target_path = resolve_model(target)
@@ -129,10 +132,13 @@ def load(target: str | Path, draft: str | Path | None = None, dtype: str | None 
     check_memory([p for p in (target_path, draft_path) if p is not None], dtype)
 
     target_model, tokenizer = _load_one(target_path, dtype)
-    draft_model = None
-    if draft_path is not None:
+    draft_model = head = None
+    if draft_path is not None and is_head(draft_path):
+        # a trained head (EAGLE-3, ...): checked against the target, which gets its taps
+        head = load_trained_head(draft_path, target_model, DTYPES[dtype] if dtype else None)
+    elif draft_path is not None:
         draft_model, draft_tok = _load_one(draft_path, dtype)
         check_pair(tokenizer, draft_tok)
-    pair = Pair(target_model, draft_model, tokenizer)
+    pair = Pair(target_model, draft_model, tokenizer, head=head)
     pair.target_path, pair.draft_path = target_path, draft_path
     return pair

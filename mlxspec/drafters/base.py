@@ -36,6 +36,10 @@ class Drafter(Protocol):
     def commit(self, draft_tokens: list[int]) -> None:
         """The round's draft tokens as ints, once the engine has evaluated them."""
 
+    # Optional: `attach(target: CachedLM) -> None`, called once when a Session is made, with that
+    # session's target (its KV cache and the tokens it holds). Drafters that draft from the
+    # target's own state (trained heads: drafters/features.py) define it; others need not.
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     m = min(len(a), len(b))

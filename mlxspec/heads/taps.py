@@ -14,11 +14,14 @@ converts its own numbering to this one when it is loaded (heads/eagle3.py).
     logits = model(ids, cache=cache)        # as before
     rec.hidden()                            # (B, T, 3 * H): the taps, concatenated in order
     rec.offset                              # the cache offset of the first of those T positions
+    rec.cache                               # the first tapped layer's cache object in that forward
+    rec.subscribe(fn)                       # fn(rec) after every forward, once all taps are recorded
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -72,7 +75,25 @@ class TapRecorder:
         self.layer_ids = tuple(int(i) for i in layer_ids)
         self.outputs: dict[int, mx.array] = {}
         self.offset: int | None = None  # cache offset before the last forward (its first position)
+        self.cache = None  # the first tapped layer's cache in the last forward (None: no cache)
+        self._listeners: list[Callable[[], Callable | None]] = []  # weak references
         self._originals: list[tuple[nn.Module, type]] = []
+
+    def subscribe(self, fn: Callable[["TapRecorder"], None]) -> None:
+        """Call fn(self) after every forward of the model, once its last tapped layer has run
+        (drafters/features.py keeps each session's features this way). Held weakly: a bound
+        method stops being called once its object is gone."""
+        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda f=fn: f)
+        self._listeners.append(ref)
+
+    def _notify(self) -> None:
+        alive = []
+        for ref in self._listeners:
+            fn = ref()
+            if fn is not None:
+                alive.append(ref)
+                fn(self)
+        self._listeners = alive
 
     def hidden(self) -> mx.array:
         """(B, T, n_taps * H): the taps of the last forward, concatenated in layer order."""
@@ -84,7 +105,7 @@ class TapRecorder:
     def remove(self) -> None:
         for layer, cls in self._originals:
             layer.__class__ = cls
-            for name in ("_mlxspec_tap", "_mlxspec_tap_id", "_mlxspec_tap_first"):
+            for name in ("_mlxspec_tap", "_mlxspec_tap_id", "_mlxspec_tap_first", "_mlxspec_tap_last"):
                 object.__delattr__(layer, name)
         self._originals.clear()
 
@@ -95,8 +116,11 @@ def _tapped_class(cls: type) -> type:
         if self._mlxspec_tap_first:
             cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
             rec.offset = int(cache.offset) if cache is not None else 0
+            rec.cache = cache
         out = cls.__call__(self, x, *args, **kwargs)
         rec.outputs[self._mlxspec_tap_id] = out
+        if self._mlxspec_tap_last:
+            rec._notify()
         return out
 
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
@@ -117,7 +141,7 @@ def install_taps(model: nn.Module, layer_ids: Sequence[int], check: bool = True)
         probe = mx.array([[1, 2, 3, 4]], mx.uint32)
         before = model(probe)
     rec = TapRecorder(model, layer_ids)
-    first = min(layer_ids)
+    first, last = min(layer_ids), max(layer_ids)
     for i in sorted(set(layer_ids)):
         layer = layers[i]
         if hasattr(layer, "_mlxspec_tap"):
@@ -126,6 +150,7 @@ def install_taps(model: nn.Module, layer_ids: Sequence[int], check: bool = True)
         object.__setattr__(layer, "_mlxspec_tap", rec)
         object.__setattr__(layer, "_mlxspec_tap_id", i)
         object.__setattr__(layer, "_mlxspec_tap_first", i == first)
+        object.__setattr__(layer, "_mlxspec_tap_last", i == last)
         layer.__class__ = _tapped_class(type(layer))
     if check:
         rec.outputs.clear()
