@@ -59,6 +59,13 @@ _FLAGS: dict[str, tuple[str, Callable[..., Callable]]] = {
         "--ngram-min", type=click.IntRange(min=1), default=1, show_default=True, help="Shortest lookup n-gram.")),
     "ngram_max": ("drafting", lambda n: click.option(
         "--ngram-max", type=click.IntRange(min=1), default=4, show_default=True, help="Longest lookup n-gram.")),
+    "tree_nodes": ("drafting", lambda n: click.option(
+        "--tree-nodes", type=click.IntRange(0, 256), default=0, show_default=True,
+        help="Draft token trees of up to N nodes, verified in one target pass (model and suffix "
+             "drafters); 0: chains.")),
+    "suffix_cache_tokens": ("drafting", lambda n: click.option(
+        "--suffix-cache-tokens", type=click.IntRange(min=0), default=100_000, show_default=True,
+        help="Suffix drafter: tokens of earlier outputs kept to copy from (oldest evicted first).")),
     "draft_vocab": ("drafting", lambda n: click.option(
         "--draft-vocab", type=click.IntRange(min=0), default=0, show_default=True,
         help="Draft among the N most frequent token ids only (a smaller output layer: cheaper draft "

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .accept import accept_greedy, accept_sampled
 from .cached_lm import CachedLM, common_prefix
@@ -25,6 +26,8 @@ from .drafters import Draft, Drafter, build_drafter
 from .errors import MlxspecError
 from .options import GenerateOptions, resolve
 from .sampling import SamplingParams, probs, sample
+from .tree import depths, forward_tree, is_chain, keep_path
+from .tree_accept import accept_tree_deterministic, accept_tree_greedy, accept_tree_sampled
 
 Prompt = Union[str, Sequence[int], Sequence[dict]]
 
@@ -80,9 +83,10 @@ class Stats:
         )
         return d
 
-    def _record_round(self, k: int, n: int) -> None:
+    def _record_round(self, k: int, n: int, nodes: int | None = None) -> None:
+        """A round that drafted k tokens (a tree: `nodes` nodes, k deep) and accepted n."""
         self.rounds += 1
-        self.drafted += k
+        self.drafted += k if nodes is None else nodes
         self.accepted += n
         grow = k - len(self.drafted_per_position)
         if grow > 0:
@@ -220,6 +224,8 @@ class Pair:
             drafter = None
         if drafter is not None and hasattr(drafter, "p_min"):  # early stop (model drafts only)
             drafter.p_min, drafter.min_tokens = cfg.draft_p_min, cfg.draft_min
+        if drafter is not None and hasattr(drafter, "tree_nodes"):  # drafters that can draft trees
+            drafter.tree_nodes = cfg.tree_nodes
 
         mx.reset_peak_memory()
         tic = time.perf_counter()
@@ -321,7 +327,9 @@ class Pair:
         while True:
             key, k_draft, k_accept = _split(key, 3, sp)
             source = next_source(seq) if next_source is not None else getattr(drafter, "name", "draft")
-            k = min(policy.k(source), cfg.max_tokens - produced - 1)
+            # a tree's node budget is tree_nodes (its depth at most that); a chain's length the policy's
+            tree = cfg.tree_nodes > 0 and hasattr(drafter, "tree_nodes")
+            k = min(cfg.tree_nodes if tree else policy.k(source), cfg.max_tokens - produced - 1)
             t0 = time.perf_counter()
             draft = drafter.propose(seq, k, sp, k_draft, self.vocab_size) if k > 0 else None
             if draft is not None and draft.size == 0:
@@ -330,6 +338,16 @@ class Pair:
                 mx.eval([a for a in (draft.tokens, draft.q) if a is not None])
                 stats.draft_time += time.perf_counter() - t0
             t1 = time.perf_counter()
+            if draft is not None and draft.parents is not None:
+                if is_chain(draft.parents):  # one child per node: the chain path, same rule
+                    draft = Draft(draft.tokens, draft.q, draft.source)
+                else:
+                    new, n = self._tree_round(target, drafter, seq, draft, sp, k_accept, stats)
+                    if cfg.profile:
+                        stats.verify_time += time.perf_counter() - t1
+                    produced += len(new)
+                    yield new, n, draft.source
+                    continue
             n, token = self._verify(target, seq, draft, sp, k_accept)
             k = draft.size if draft is not None else 0
             parts = [token[None], n[None].astype(mx.uint32)]
@@ -349,6 +367,34 @@ class Pair:
             new = drafted[:n] + [vals[k]]
             produced += len(new)
             yield new, n, draft.source if draft is not None else "target"
+
+    def _tree_round(
+        self, target: CachedLM, drafter: Drafter, seq: list[int], draft: Draft, sp: SamplingParams,
+        key: mx.array, stats: Stats,
+    ) -> tuple[list[int], int]:
+        """Verify a token tree in one target pass (tree.py), accept exactly (tree_accept.py), keep
+        the accepted path in both caches. Returns (accepted drafts + the target's token, n)."""
+        parents, size = draft.parents, draft.size
+        feed = target.sync(seq)
+        logits = forward_tree(target, feed, draft.tokens, parents)[len(feed) - 1 :]  # (N+1, V): root, nodes
+        if sp.greedy:
+            best = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            vals = mx.concatenate([draft.tokens.astype(mx.uint32), best]).tolist()  # the round's host wait
+            tokens = vals[:size]
+            path, token = accept_tree_greedy(tokens, parents, vals[size:])
+        else:
+            p, u = probs(logits, sp), mx.random.uniform(shape=(size + 1,), key=key)
+            mx.eval(draft.tokens, p, u)
+            tokens = draft.tokens.tolist()
+            if draft.q is None:
+                path, token = accept_tree_deterministic(tokens, parents, np.array(p), np.array(u))
+            else:
+                path, token = accept_tree_sampled(tokens, parents, np.array(draft.q), np.array(p), np.array(u))
+        kept = [tokens[i] for i in path]
+        keep_path(target, size, path, kept)
+        drafter.commit_tree(path, tokens)
+        stats._record_round(max(depths(parents)), len(path), nodes=size)
+        return kept + [token], len(path)
 
     def _verify(
         self, target: CachedLM, seq: list[int], draft: Draft | None, sp: SamplingParams, key: mx.array

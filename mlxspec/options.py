@@ -33,6 +33,8 @@ class GenerateOptions:
     ngram_min: int = 1  # prompt lookup's n-gram sizes
     ngram_max: int = 4
     draft_vocab: int = 0  # draft among the N most frequent token ids only (0: all; drafters/model.py)
+    tree_nodes: int = 0  # > 0: draft token trees of up to this many nodes (model, suffix; tree.py); 0: chains
+    suffix_cache_tokens: int = 100_000  # suffix drafter: earlier outputs kept, oldest evicted first
     profile: bool = False  # split draft and verify time (one more host wait per round)
 
     def __post_init__(self) -> None:
@@ -51,6 +53,10 @@ class GenerateOptions:
             raise ValueError(f"draft_p_min must be in (0, 1], got {self.draft_p_min}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0: the full vocabulary), got {self.draft_vocab}")
+        if self.tree_nodes < 0:
+            raise ValueError(f"tree_nodes must be >= 0 (0: chains), got {self.tree_nodes}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
         if self.drafter not in DRAFTERS:

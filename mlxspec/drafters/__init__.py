@@ -8,7 +8,9 @@ is the registry that maps a `drafter=` name to the function that builds it for a
     base.py      Draft, the Drafter protocol, fit_vocab
     model.py     a small model of the target's family (ModelDrafter)
     lookup.py    prompt lookup over an incremental n-gram index (ngram.py)
-    combined.py  lookup when it matches, the model otherwise
+    combined.py  a copier (lookup, suffix) when it matches, the model otherwise
+    suffix.py    SuffixDecoding: chains or trees from what followed the context (suffix_index.py)
+    tree_model.py  the draft model proposes token trees (tree_nodes > 0; chains otherwise)
     features.py  the target's tapped features in step with the sequence (trained heads)
     eagle3.py    an EAGLE-3 head drafts from the target's features (heads/eagle3.py)
 """
@@ -21,8 +23,10 @@ from ..adaptive import weight_ratio
 from ..cached_lm import CachedLM, common_prefix  # noqa: F401  (re-exported: drafters feed models too)
 from ..errors import MlxspecError
 from .base import Draft, Drafter, fit_vocab  # noqa: F401
-from .combined import ModelLookupDrafter
+from .combined import ModelCopierDrafter, ModelLookupDrafter  # noqa: F401
 from .lookup import LookupDrafter
+from .suffix import SuffixDrafter
+from .tree_model import TreeModelDrafter
 from .model import ModelDrafter, draft_vocab_ids
 
 if TYPE_CHECKING:
@@ -32,7 +36,8 @@ if TYPE_CHECKING:
 
 def _model(pair: "Pair", opts: "GenerateOptions") -> Drafter:
     ids = draft_vocab_ids(opts.draft_vocab, pair.vocab_size, pair.eos_token_ids) if opts.draft_vocab else None
-    return ModelDrafter(pair.draft, cost=weight_ratio(pair.draft, pair.target), vocab_ids=ids)
+    # a ModelDrafter that also drafts trees when the engine sets tree_nodes > 0
+    return TreeModelDrafter(pair.draft, cost=weight_ratio(pair.draft, pair.target), vocab_ids=ids)
 
 
 def _lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
@@ -41,6 +46,14 @@ def _lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
 
 def _model_lookup(pair: "Pair", opts: "GenerateOptions") -> Drafter:
     return ModelLookupDrafter(_model(pair, opts), _lookup(pair, opts), min_match=max(opts.ngram_min, 2))
+
+
+def _suffix(pair: "Pair", opts: "GenerateOptions") -> Drafter:
+    return SuffixDrafter(max_cached_tokens=opts.suffix_cache_tokens)
+
+
+def _model_suffix(pair: "Pair", opts: "GenerateOptions") -> Drafter:
+    return ModelCopierDrafter(_model(pair, opts), _suffix(pair, opts), min_match=2)
 
 
 def _head(pair: "Pair", opts: "GenerateOptions") -> Drafter:
@@ -54,9 +67,11 @@ BUILDERS: dict[str, Callable[["Pair", "GenerateOptions"], Drafter]] = {
     "model": _model,
     "lookup": _lookup,
     "model+lookup": _model_lookup,
+    "suffix": _suffix,
+    "model+suffix": _model_suffix,
     "head": _head,
 }
-NEEDS_DRAFT_MODEL = {"model", "model+lookup"}
+NEEDS_DRAFT_MODEL = {"model", "model+lookup", "model+suffix"}
 NEEDS_HEAD = {"head"}
 DRAFTERS = ("auto", *BUILDERS, "none")
 

@@ -16,6 +16,10 @@ class Draft:
     tokens: mx.array  # (k,) uint32, may be lazy
     q: mx.array | None  # (k, V_target) processed draft distribution; None: one-hot proposal
     source: str  # which drafter proposed them ("model", "lookup", ...)
+    # a token tree (tree.py): parents[i] is node i's parent (-1: the last committed token);
+    # None: the chain x_1..x_k. A tree's q, when given, is the distribution each node was
+    # sampled from (tree_accept.py); None: deterministic children
+    parents: list[int] | None = None
 
     @property
     def size(self) -> int:

@@ -33,6 +33,12 @@ class LookupDrafter:
         m = self.index.match()
         return f"{self.name}/{m.size if m is not None else 0}"
 
+    def match_length(self, seq: Sequence[int]) -> int:
+        """Tokens of seq's end matched by the next proposal (0: none)."""
+        self.index.update(seq)
+        m = self.index.match()
+        return m.size if m is not None else 0
+
     def propose(
         self, seq: Sequence[int], k: int, sp: SamplingParams, key: mx.array, vocab: int
     ) -> Draft | None:
