@@ -26,6 +26,7 @@ def _register() -> None:
         ("chat", "chat_command"),
         ("chat", "generate_command"),
         ("bench", "bench_command"),
+        ("server", "serve_command"),
     ]:
         try:
             mod = importlib.import_module(f".{module}", __package__)
