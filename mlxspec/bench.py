@@ -256,7 +256,8 @@ class BenchConfig:
         """The drafting options, for the report."""
         d = self.drafting
         return dict(drafter=d.drafter, adaptive=d.adaptive, draft_min=d.draft_min, draft_max=d.draft_max,
-                    draft_p_min=d.draft_p_min, ngram_min=d.ngram_min, ngram_max=d.ngram_max)
+                    draft_p_min=d.draft_p_min, ngram_min=d.ngram_min, ngram_max=d.ngram_max,
+                    draft_vocab=d.draft_vocab)
 
     def __post_init__(self) -> None:
         if not self.draft_lengths or any(k < 1 for k in self.draft_lengths):
@@ -423,16 +424,23 @@ class Costs:
         }
 
 
-def measure_costs(pair, ids: list[int], max_n: int, repeats: int = 5) -> Costs:
+def measure_costs(pair, ids: list[int], max_n: int, repeats: int = 5, draft_vocab: int = 0) -> Costs:
     """Time target forwards over n = 1..max_n tokens and a one-token draft forward, each after
     the prompt `ids` is in the KV cache (trimmed back after every forward), interleaved over
-    repeats after one warm-up pass; medians."""
+    repeats after one warm-up pass; medians. draft_vocab: the draft's output layer cut to that
+    many ids, as drafter option `draft_vocab` does."""
     import mlx.core as mx
     from mlx_lm.models.cache import trim_prompt_cache
 
     tcache = _prefill(pair.target, ids)
     dcache = _prefill(pair.draft, ids)
     feed = (list(ids) * (max_n // len(ids) + 1))[:max_n]
+    draft = pair.draft
+    if draft_vocab:
+        from .drafters.model import ReducedHead, draft_vocab_ids
+
+        head = ReducedHead(pair.draft, draft_vocab_ids(draft_vocab, pair.vocab_size, pair.eos_token_ids))
+        draft = lambda x, cache: head(head.hidden(x[0], cache)[-1:])  # noqa: E731
 
     def timed(model, cache, n: int) -> float:
         x = mx.array(feed[:n], mx.uint32)[None]
@@ -450,7 +458,7 @@ def measure_costs(pair, ids: list[int], max_n: int, repeats: int = 5) -> Costs:
             t = timed(pair.target, tcache, n)
             if rep:
                 tt[n].append(t)
-        t = timed(pair.draft, dcache, 1)
+        t = timed(draft, dcache, 1)
         if rep:
             td.append(t)
     verify = [median(tt[n]) for n in range(1, max_n + 1)]
@@ -490,7 +498,7 @@ def run_bench(pair, prompts: Sequence[BenchPrompt], cfg: BenchConfig, log: Calla
 
     ctx = sorted(encoded, key=lambda e: len(e[1]))[len(encoded) // 2][1]  # a prompt of median length
     log(f"costs: target forwards over 1..{max(cfg.draft_lengths) + 1} tokens and a draft step, {cfg.cost_repeats} repeats")
-    costs = measure_costs(pair, ctx, max(cfg.draft_lengths) + 1, cfg.cost_repeats)
+    costs = measure_costs(pair, ctx, max(cfg.draft_lengths) + 1, cfg.cost_repeats, cfg.drafting.draft_vocab)
     log(f"  target step {costs.target_step * 1e3:.1f} ms, draft step {costs.draft_step * 1e3:.1f} ms, c = {costs.c:.3f}")
 
     runs: list[Run] = []
@@ -901,6 +909,11 @@ BENCH_OPTIONS = [
     click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, help="Write a PNG plot here."),
     click.option("--markdown", "md_out", type=click.Path(dir_okay=False), default=None,
                  help="Write the short results table here (Markdown)."),
+    click.option("--acceptance", default=None,
+                 help="Synthetic targets (-t synthetic:SHAPE): the acceptance to predict with, an earlier "
+                      "`mlxspec bench --json` report or a per-token rate (default 0.8)."),
+    click.option("--context", type=click.IntRange(1), default=128, show_default=True,
+                 help="Synthetic targets: tokens in the KV cache while timing."),
     click.option("--quiet", "-q", is_flag=True, help="No progress lines."),
 ]
 
@@ -911,19 +924,43 @@ def _with_options(f):
     return f
 
 
+def _synthetic_bench(target, draft, dtype, draft_lengths, acceptance, context, json_out, quiet) -> None:
+    from .synthetic import cost_report, format_cost_report
+
+    log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
+    if draft is None:
+        raise click.UsageError("a synthetic target needs a synthetic --draft, e.g. -d synthetic:qwen2.5-0.5b")
+    try:
+        report = cost_report(target, draft, resolve_dtype(dtype), draft_lengths, acceptance, context, log=log)
+    except (MlxspecError, ValueError) as e:
+        raise click.ClickException(str(e))
+    click.echo(format_cost_report(report))
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1) + "\n")
+        click.echo(f"wrote {json_out}")
+
+
 @click.command("bench")
 @_with_options
 @generation_options(groups=("drafting",), skip=("num_draft",))
 def bench_command(target, draft, dtype, draft_lengths, max_tokens, repeats, prompt_file, kinds, per_kind,
-                  temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, md_out, quiet,
-                  options: GenerateOptions) -> None:
+                  temperature, seeds, compare_mlx_lm, warmup, json_out, plot_out, md_out, acceptance, context,
+                  quiet, options: GenerateOptions) -> None:
     """Measure whether speculation is faster for a pair on this machine, and with which draft length.
 
     Runs a prompt suite with the target alone and with speculation for each draft length, and
     reports tokens/s, speedup, acceptance, the measured costs and the speedup they predict,
     time to first token and peak memory, then recommends a draft length.
+
+    With random-weight models of named shapes (`-t synthetic:qwen2.5-7b -d synthetic:qwen2.5-0.5b`)
+    it measures c and v(n) only and predicts the speedup of each draft length for an acceptance
+    profile (--acceptance): which pair pays here, before downloading it.
     """
     from .loading import load
+
+    if target.startswith("synthetic:"):
+        _synthetic_bench(target, draft, dtype, draft_lengths, acceptance, context, json_out, quiet)
+        return
 
     try:
         cfg = BenchConfig(

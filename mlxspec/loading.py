@@ -122,6 +122,10 @@ def load(target: str | Path, draft: str | Path | None = None, dtype: str | None 
     against the target, and drafter="auto" drafts with it."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if str(target).startswith("synthetic:"):  # random weights of a named shape, for timing (synthetic.py)
+        from .synthetic import load_pair
+
+        return load_pair(str(target), None if draft is None else str(draft), dtype)
     target_path = resolve_model(target)
     pair_folders = read_pair_manifest(target_path)
     if pair_folders is not None:

@@ -178,6 +178,11 @@ def resolve_one(
     convert: Callable[[str, Path], Path] = _convert,
 ) -> Resolved:
     """One --target or --draft value. For a recipe name as the target, `draft` is the recipe's."""
+    if spec.startswith("synthetic:"):  # random weights of a named shape (synthetic.py)
+        from .synthetic import SyntheticSpec
+
+        SyntheticSpec.parse(spec)  # an unknown shape fails here, with the known ones
+        return Resolved(spec, None, spec)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
