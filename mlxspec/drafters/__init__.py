@@ -13,6 +13,7 @@ is the registry that maps a `drafter=` name to the function that builds it for a
     tree_model.py  the draft model proposes token trees (tree_nodes > 0; chains otherwise)
     features.py  the target's tapped features in step with the sequence (trained heads)
     eagle3.py    an EAGLE-3 head drafts from the target's features (heads/eagle3.py)
+    block_head.py  a DFlash or DSpark head drafts a block in one forward (heads/dflash.py)
 """
 
 from __future__ import annotations

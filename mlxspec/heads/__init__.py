@@ -3,6 +3,7 @@
     taps.py     record chosen target layers' outputs in the verifying forward (no fork of mlx-lm)
     eagle3.py   the EAGLE-3 head: format (config.json + safetensors, d2t/t2d) and forward pass,
                 shared by loading and by training (`mlxspec train-drafter`)
+    dflash.py   the DFlash and DSpark block heads: formats, block forward, Markov and confidence heads
 
 This file is the registry: a head folder's config.json `architectures` names its family, and
 LOADERS maps that name to a function (folder, target model, dtype) -> TrainedHead, which reads
@@ -158,9 +159,15 @@ def _load_eagle3(folder: Path, target: nn.Module, dtype: mx.Dtype | None) -> Tra
 # config.json `architectures` -> loader(folder, target model, dtype or None) -> TrainedHead
 LOADERS: dict[str, Callable[[Path, nn.Module, Any], TrainedHead]] = {
     "LlamaForCausalLMEagle3": _load_eagle3,
-    # "DFlashDraftModel": heads/dflash.py (the DFlash/DSpark engineer adds these two)
-    # "Qwen3DSparkModel": heads/dflash.py
+    "DFlashDraftModel": lambda folder, target, dtype: _block_heads().load_trained(folder, target, dtype),
+    "Qwen3DSparkModel": lambda folder, target, dtype: _block_heads().load_trained(folder, target, dtype),
 }
+
+
+def _block_heads():
+    from . import dflash  # DFlash and DSpark: one module (the same backbone)
+
+    return dflash
 
 
 def load_trained_head(folder: str | Path, target: nn.Module, dtype: mx.Dtype | None = None,
