@@ -37,8 +37,10 @@ _FLAGS: dict[str, tuple[str, Callable[..., Callable]]] = {
     "drafter": ("drafting", lambda n: click.option(
         "--drafter", type=click.Choice(list(DRAFTERS)), default="auto", show_default=True,
         help="Who proposes tokens: the draft model, prompt lookup (copies from the prompt and the text so "
-             "far; no draft model needed), lookup when it matches else the model. auto: the draft (model "
-             "or head) when there is one.")),
+             "far; no draft model needed), lookup when it matches else the model, suffix (SuffixDecoding: "
+             "frequency-weighted copies from the prompt, the output and earlier outputs; chains or, with "
+             "--tree-nodes, trees), suffix when it matches else the model. auto: the draft (model or head) "
+             "when there is one.")),
     "num_draft": ("drafting", lambda n: click.option(
         "--num-draft", "-k", type=click.IntRange(0, 64), default=4, show_default=True,
         help="Tokens drafted per target pass (0: no speculation).")),

@@ -183,3 +183,26 @@ def test_model_plus_suffix_is_the_combined_class(copier, copier_draft):
     d = mlxspec.Pair(copier, copier_draft).make_drafter(drafter="model+suffix")
     assert isinstance(d, ModelCopierDrafter) and d.name == "model+suffix"
     assert d.next_source([1, 2, 3]) == "model"
+
+
+@pytest.mark.parametrize("extra", [
+    ["--drafter", "suffix", "--tree-nodes", "6"],
+    ["--drafter", "model+suffix", "--tree-nodes", "6"],
+    ["--drafter", "model", "--tree-nodes", "6"],
+])
+def test_cli_trees_and_suffix_keep_the_text(tiny_pair_dir, extra):
+    import json
+
+    from click.testing import CliRunner
+
+    from mlxspec.cli import cli
+
+    base = ["generate", "-t", str(tiny_pair_dir), "--prompt", "w10 w11 w12 w13 w10 w11 w12 w13 w10 w11",
+            "-n", "24", "--json"]
+    r0 = CliRunner().invoke(cli, base + ["--no-draft"])
+    r = CliRunner().invoke(cli, base + extra)
+    assert r0.exit_code == 0 and r.exit_code == 0, r.output
+    doc, ref = json.loads(r.stdout), json.loads(r0.stdout)
+    assert doc["tokens"] == ref["tokens"] and doc["drafter"] == extra[1] and doc["stats"]["drafted"] > 0
+    bad = CliRunner().invoke(cli, base + ["--tree-nodes", "-1"])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output
