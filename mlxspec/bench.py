@@ -433,10 +433,13 @@ def measure_costs(pair, ids: list[int], max_n: int, repeats: int = 5, draft_voca
     from mlx_lm.models.cache import trim_prompt_cache
 
     tcache = _prefill(pair.target, ids)
-    dcache = _prefill(pair.draft, ids)
     feed = (list(ids) * (max_n // len(ids) + 1))[:max_n]
-    draft = pair.draft
-    if draft_vocab:
+    if pair.draft is None and getattr(pair, "head", None) is not None:  # a trained head's draft step
+        draft, dcache = pair.head.step_timer(pair.head, pair.target, len(ids))
+    else:
+        dcache = _prefill(pair.draft, ids)
+        draft = pair.draft
+    if draft_vocab and pair.draft is not None:
         from .drafters.model import ReducedHead, draft_vocab_ids
 
         head = ReducedHead(pair.draft, draft_vocab_ids(draft_vocab, pair.vocab_size, pair.eos_token_ids))
@@ -481,8 +484,13 @@ def run_bench(pair, prompts: Sequence[BenchPrompt], cfg: BenchConfig, log: Calla
     from . import __version__
     from .platform import machine_description
 
-    if pair.draft is None:
+    head = getattr(pair, "head", None)
+    if pair.draft is None and head is None:
         raise MlxspecError("bench needs a draft model: pass --draft, or a pair folder as --target")
+    if pair.draft is None and cfg.compare_mlx_lm:
+        raise MlxspecError(f"--compare-mlx-lm needs a draft model: mlx-lm cannot draft with a trained {head.family} head")
+    if pair.draft is None and head.step_timer is None:
+        raise MlxspecError(f"bench cannot time a {head.family} head's draft step yet")
     log = log or (lambda s: None)
     encoded = [(p, pair.encode(p.input(pair.tokenizer))) for p in prompts]
     settings = sweep_settings(cfg)

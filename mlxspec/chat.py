@@ -196,7 +196,8 @@ def stats_line(stats, ttft: float | None, has_draft: bool) -> str:
         parts.append(f"{stats.acceptance_rate:.0%} accepted")
         sources = {k: v for k, v in stats.tokens_by_source.items() if k != "target"}
         if set(sources) - {"model"}:  # lookup proposed some: say who proposed the accepted tokens
-            sources.setdefault("model", 0)
+            if len(sources) > 1 or set(sources) & {"lookup", "suffix"}:  # a head drafts alone
+                sources.setdefault("model", 0)
             parts.append("from " + ", ".join(f"{k} {v}" for k, v in sorted(sources.items())))
     parts.append(f"{stats.tokens_per_round:.2f} tokens/pass")
     if ttft is not None:

@@ -397,3 +397,36 @@ def test_drafts_equal_a_from_scratch_reference_and_tap_i_is_layer_i_output(tmp_p
         wrong += drafts != _reference_drafts(target, loaded, seq, len(drafts), shift=0)
     assert wrong > len(rounds) // 2
     pair.head.recorder.remove()
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_generate_and_bench_with_draft_head(tmp_path):
+    """`--draft HEAD_DIR` in generate and bench: the head drafts, acceptance is reported."""
+    from click.testing import CliRunner
+
+    from mlxspec.cli import cli
+
+    big = target_of("llama", bigram=True)
+    save_tiny(tmp_path / "t", big)
+    write_published(tmp_path / "h", copying_head(big))
+    try:
+        r = CliRunner().invoke(cli, ["generate", "-t", str(tmp_path / "t"), "-d", str(tmp_path / "h"), "-p", "w7 w8",
+                                     "--max-tokens", "12", "--dtype", "float32"])
+        assert r.exit_code == 0, r.output
+        assert "eagle3 head" in r.output and "100% accepted" in r.output
+        out = tmp_path / "b.json"
+        r = CliRunner().invoke(cli, ["bench", "-t", str(tmp_path / "t"), "-d", str(tmp_path / "h"), "-k", "2",
+                                     "-m", "8", "-r", "1", "--kinds", "code", "--per-kind", "1", "--no-warmup",
+                                     "--dtype", "float32", "--json", str(out), "-q"])
+        assert r.exit_code == 0, r.output
+        report = json.loads(out.read_text())
+        assert report["costs"]["c"] > 0
+        spec = [g for g in report["results"] if g["num_draft"] == 2]
+        assert spec and spec[0]["acceptance_rate"] == 1.0 and spec[0]["identical_to_target"] == 1.0
+    finally:
+        for layer in big.model.layers:
+            rec = getattr(layer, "_mlxspec_tap", None)
+            if rec is not None:
+                rec.remove()

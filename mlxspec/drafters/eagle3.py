@@ -160,3 +160,38 @@ class Eagle3Drafter:
         else:
             lp = log_probs(logits, sp)
         return mx.exp(mx.max(lp)).item() < self.p_min
+
+
+class HeadStep:
+    """One EAGLE-3 draft step as a model-like callable, for timing (bench's draft-step cost c):
+    `step(x (1, 1) token ids, cache=[KVCache]) -> draft logits`, the head attending over a cache
+    of `context` positions, its hidden input the previous step's h, as in propose."""
+
+    def __init__(self, head: "TrainedHead", target_model: nn.Module):
+        from ..heads import target_embedding
+
+        self.head = head.module
+        self.embed = target_embedding(target_model)
+        self.h = mx.zeros((1, 1, self.head.config.hidden_size), self.head.fc.weight.dtype)
+
+    def make_cache(self, context: int, step: int = PREFILL_STEP) -> list[KVCache]:
+        """A head cache holding `context` positions (random target features)."""
+        cfg = self.head.config
+        cache = KVCache()
+        for start in range(0, context, step):
+            n = min(step, context - start)
+            feats = mx.random.normal((1, n, len(cfg.tap_layers) * cfg.target_hidden_size)).astype(self.h.dtype)
+            toks = mx.random.randint(0, cfg.vocab_size, (1, n)).astype(mx.uint32)
+            self.head(self.embed(toks), self.head.fuse(feats), mask="causal" if n > 1 else None, cache=cache)
+            mx.eval(cache.state)
+        return [cache]
+
+    def __call__(self, x: mx.array, cache: list[KVCache]) -> mx.array:
+        logits, _ = self.head(self.embed(x), self.h, cache=cache[0])
+        return logits
+
+
+def step_timer(head: "TrainedHead", target_model: nn.Module, context: int):
+    """(step, cache) for timing one draft step at this context length (TrainedHead.step_timer)."""
+    step = HeadStep(head, target_model)
+    return step, step.make_cache(context)

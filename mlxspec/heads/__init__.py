@@ -43,6 +43,9 @@ class TrainedHead:
     make_drafter: Callable[["Pair", "GenerateOptions"], "Drafter"]
     recorder: "TapRecorder | None" = None  # set by install (mlxspec.load)
     info: dict[str, Any] = field(default_factory=dict)  # shown by bench/chat (draft vocabulary, block size...)
+    # (head, target model, context length) -> (step, cache): one draft step as a model-like callable
+    # `step(x, cache=cache)` over a head cache of that context, for bench's draft-step cost c
+    step_timer: Callable[["TrainedHead", nn.Module, int], tuple[Callable, Any]] | None = None
 
     def install(self, target: nn.Module, check: bool = True) -> "TapRecorder":
         """Tap the target's layers this head reads (checked against a plain forward)."""
@@ -152,8 +155,10 @@ def _load_eagle3(folder: Path, target: nn.Module, dtype: mx.Dtype | None) -> Tra
 
         return Eagle3Drafter(pair.head, pair.target)
 
+    from ..drafters.eagle3 import step_timer
+
     return TrainedHead("eagle3", head, cfg.tap_layers, folder, make_drafter,
-                       info={"draft_vocab": cfg.draft_vocab_size, "taps": list(cfg.tap_layers)})
+                       info={"draft_vocab": cfg.draft_vocab_size, "taps": list(cfg.tap_layers)}, step_timer=step_timer)
 
 
 # config.json `architectures` -> loader(folder, target model, dtype or None) -> TrainedHead
