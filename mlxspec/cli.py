@@ -26,6 +26,7 @@ def _register() -> None:
         ("chat", "chat_command"),
         ("chat", "generate_command"),
         ("bench", "bench_command"),
+        ("train.command", "train_drafter_command"),
         ("server", "serve_command"),
     ]:
         try:
