@@ -30,7 +30,7 @@ def _model_flags(f):
 @generation_options(max_tokens=512)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. 0.0.0.0 lets other machines in: set --api-key.")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--api-key", envvar="MLXSPEC_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` on every endpoint but /health (or set MLXSPEC_API_KEY).")
 @click.option("--prompt-cache-size", type=click.IntRange(min=0), default=4, show_default=True,
@@ -52,9 +52,12 @@ def serve_command(target, draft, no_draft, dtype, options: GenerateOptions, host
     draft_n, draft_n_accepted, tokens_per_pass). Requests may set drafter, num_draft and
     adaptive; a conversation's next turn reuses its KV cache.
     """
-    import uvicorn
+    try:
+        import uvicorn
 
-    from .app import create_app
+        from .app import create_app
+    except ImportError as e:
+        raise click.ClickException(f"mlxspec serve needs FastAPI and uvicorn ({e}): pip install 'mlxspec[serve]'")
     from .schema import Served
     from .worker import Worker
 
