@@ -322,3 +322,40 @@ def test_the_command_trains_and_reports_bad_data_in_one_line(bigram_dir, tmp_pat
     bad = CliRunner().invoke(cli, [*args[:4], str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2")])
     assert bad.exit_code != 0
     assert "bad.jsonl:1: not valid JSON" in bad.output and "Traceback" not in bad.output
+
+
+# -- the trained head in the engine: it loads as a draft and decoding stays exact ---------------
+
+
+def test_the_trained_head_loads_as_a_draft_and_keeps_the_output_exact(trained, bigram_dir):
+    import mlxspec
+    from conftest import check_marginals, exact_marginals
+    from mlxspec.sampling import SamplingParams
+
+    root, _ = bigram_dir
+    out, prov = trained
+    e = prov["engine_eval"]  # the engine's own count, from the held-out prompts
+    assert e["tokens_per_pass"] > 2.0 and e["acceptance_per_position"][0] > 0.5
+    pair = mlxspec.load(root / "target", draft=out, dtype="float32")
+    try:
+        assert pair.head is not None and pair.draft is None
+        accepted = drafted = 0
+        for prompt in ([9, 30, 41], [12, 7, 55, 20, 33], [50, 51, 52, 53]):
+            res = pair.generate(prompt, max_tokens=40, num_draft=3, adaptive=False)
+            assert res.tokens == pair.generate(prompt, max_tokens=40, drafter="none").tokens
+            accepted, drafted = accepted + res.stats.accepted, drafted + res.stats.drafted
+        assert 0 < accepted < drafted
+        sp = SamplingParams(temperature=1.0, top_k=4)
+        prompt = [9, 30, 41]
+        exact = exact_marginals(pair.target, prompt, sp, steps=3)
+        session = pair.new_session()
+        samples, drafted, accepted = [], 0, 0
+        for s in range(600):
+            res = pair.generate(prompt, max_tokens=3, temperature=1.0, top_k=4, num_draft=2, adaptive=False, seed=s,
+                                session=session)
+            samples.append(res.tokens)
+            drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
+        check_marginals(np.array(samples), exact)
+        assert 0 < accepted < drafted  # drafts both accepted and rejected
+    finally:
+        pair.head.recorder.remove()

@@ -5,8 +5,9 @@
   all equal what the target produced, and tokens per target pass (1 + mean accepted), with
   the round starting at every position of the continuations. Cheap (the head only), so it runs
   at every checkpoint.
-- engine_acceptance: the real engine, `mlxspec.load(target, draft=HEAD).generate(...)`, when
-  this installation's loader knows EAGLE-3 heads (it reports why not otherwise).
+- engine_acceptance: the real engine (the head folder loaded as `mlxspec.load(target, draft=HEAD)`
+  does) generating greedily from the held-out prompts: acceptance per position as the rounds
+  saw it, and tokens per target pass. It decodes with the target, so it runs once, at the end.
 - plot_curve: the loss curve and the held-out acceptance per position, as a PNG.
 """
 
@@ -24,33 +25,34 @@ def held_out_acceptance(head, embed, held_out, firsts: Sequence[int], draft_leng
     return chain_acceptance(head, embed, samples, draft_length, list(firsts))
 
 
-def engine_acceptance(target: str | Path, head_dir: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int,
-                      draft_length: int, dtype: str | None = None) -> dict:
-    """Greedy generation with the head as the drafter through the engine: acceptance per
-    position and tokens per pass, plus whether the output equals the target alone's."""
-    import mlxspec
+def engine_acceptance(target, tokenizer, head_dir: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int,
+                      draft_length: int) -> dict:
+    """Greedy generation through the real engine with the head folder as the drafter
+    (`Pair(target, head=...)`, what `mlxspec.load(target, draft=HEAD)` builds): acceptance per
+    draft position and tokens per target pass over the prompts."""
+    from ..engine import Pair
+    from ..heads import load_trained_head
 
+    head = load_trained_head(head_dir, target)
     try:
-        pair = mlxspec.load(target, draft=head_dir, dtype=dtype)
-    except Exception as e:  # the loader of another issue may not know heads yet
-        return {"available": False, "reason": f"{type(e).__name__}: {e}"}
-    drafted, accepted, passes, tokens = None, None, 0, 0
-    identical = True
-    for p in prompts:
-        res = pair.generate(list(p), max_tokens=max_tokens, temperature=0.0, num_draft=draft_length)
-        plain = pair.generate(list(p), max_tokens=max_tokens, temperature=0.0, drafter="none")
-        identical &= list(res.tokens) == list(plain.tokens)
-        st = res.stats
-        d, a = list(st.drafted_per_position), list(st.accepted_per_position)
-        drafted = d if drafted is None else [x + y for x, y in zip(drafted, d)]
-        accepted = a if accepted is None else [x + y for x, y in zip(accepted, a)]
-        passes += st.rounds
-        tokens += st.generation_tokens
+        pair = Pair(target, None, tokenizer, head=head)
+        drafted, accepted, rounds, tokens, total = [0] * draft_length, [0] * draft_length, 0, 0, 0
+        for p in prompts:
+            st = pair.generate(list(p), max_tokens=max_tokens, temperature=0.0, num_draft=draft_length,
+                               adaptive=False).stats
+            for i, (d, a) in enumerate(zip(st.drafted_per_position, st.accepted_per_position)):
+                if i < draft_length:
+                    drafted[i] += d
+                    accepted[i] += a
+            rounds += st.rounds
+            tokens += st.generation_tokens
+            total += st.accepted
+    finally:
+        head.recorder.remove()
     return {
-        "available": True,
-        "acceptance_per_position": [round(a / d, 4) if d else None for a, d in zip(accepted or [], drafted or [])],
-        "tokens_per_pass": round(tokens / passes, 4) if passes else None,
-        "greedy_identical": identical,
+        "prompts": len(prompts), "tokens": tokens, "passes": rounds,
+        "acceptance_per_position": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "tokens_per_pass": round(1.0 + total / rounds, 4) if rounds else None,  # the engine's tokens_per_round
     }
 
 

@@ -63,6 +63,7 @@ class TrainSettings:
     chunk: int = 256  # prefill chunk while extracting features
     dtype: str | None = None
     init_from_target: bool = True  # lm_head and norm start as the target's (draft-vocabulary rows)
+    engine_eval: bool = True  # at the end, generate from the held-out prompts with the real engine
 
 
 def load_target(spec: str | Path, dtype: str | None):
@@ -148,7 +149,7 @@ def _settings_key(s: TrainSettings) -> dict:
     """The settings a checkpoint must share with a run that resumes it."""
     d = asdict(s)
     for k in ("checkpoint_every", "log_every", "eval_prompts", "eval_prompt_tokens", "eval_new_tokens",
-              "eval_draft_length", "chunk"):
+              "eval_draft_length", "chunk", "engine_eval"):
         d.pop(k)
     d["tap_layers"] = list(d["tap_layers"]) if d["tap_layers"] is not None else None
     return d
@@ -297,4 +298,14 @@ def train_drafter(target: str | Path, data: Sequence[str | Path], out: str | Pat
                   on_checkpoint=on_checkpoint, progress=progress, stop_after=stop_after, extra_state=train_state)
     if state["step"] < steps:  # stopped early (stop_after): OUT stays at its last checkpoint
         return json.loads((out / PROVENANCE).read_text()) if (out / PROVENANCE).is_file() else {"step": 0}
+    if settings.engine_eval and prep.held_out is not None:
+        from .evaluate import engine_acceptance
+
+        prompts = [s[: settings.eval_prompt_tokens] for s in corpus.held_out[: settings.eval_prompts]]
+        t0 = time.time()
+        base["engine_eval"] = {**engine_acceptance(model, prep.tokenizer, out, prompts, settings.eval_new_tokens,
+                                                   settings.eval_draft_length), "seconds": round(time.time() - t0, 1)}
+        e = base["engine_eval"]
+        echo(f"engine (greedy, {settings.eval_draft_length} drafts per pass): acceptance per position "
+             f"{e['acceptance_per_position']}, {e['tokens_per_pass']} tokens/pass")
     return provenance(state, final=True)
