@@ -33,9 +33,9 @@ BLOCK = re.compile(r"^(def|class|async def) (\w+)", re.M)
 
 # the settings of the committed run (sized for ~40 minutes of a shared 2-core machine)
 TRAIN_ARGS = [
-    "--draft-vocab", "16384", "--ttt-steps", "5", "--max-tokens", "8192", "--max-tokens-per-sample", "512",
+    "--draft-vocab", "8192", "--ttt-steps", "5", "--max-tokens", "8192", "--max-tokens-per-sample", "512",
     "--intermediate-size", "2048", "--epochs", "3", "--batch-size", "2", "--lr", "5e-4",
-    "--checkpoint-every", "100", "--eval-prompts", "4", "--eval-new-tokens", "40", "--dtype", "float32",
+    "--checkpoint-every", "20", "--eval-prompts", "4", "--eval-new-tokens", "40", "--dtype", "float32",
 ]
 
 

@@ -47,6 +47,7 @@ class Corpus:
     data_hash: str  # sha256 over the files' names and bytes
     train_sources: dict[str, int]  # document -> training tokens taken from it
     held_out_sources: dict[str, int]
+    vocab_counts: dict[int, int]  # token frequencies over every training document (also beyond max_tokens)
 
     @property
     def train_tokens(self) -> int:
@@ -159,9 +160,12 @@ def build_corpus(docs: list[Document], tokenizer, *, max_tokens_per_sample: int,
             held_sources[docs[i].source] = held_sources.get(docs[i].source, 0) + len(s)
     pool: list[tuple[list[int], str]] = []
     longest = 0
+    counts: dict[int, int] = {}
     for i in sorted(order[n_held:].tolist()):
         ids = encode(docs[i], tokenizer)
         longest = max(longest, len(ids))
+        for t in ids:
+            counts[t] = counts.get(t, 0) + 1
         pool.extend((s, docs[i].source) for s in split_samples(ids, max_tokens_per_sample, min_tokens))
     if not pool:
         raise DataError(
@@ -180,4 +184,4 @@ def build_corpus(docs: list[Document], tokenizer, *, max_tokens_per_sample: int,
         train.append(s)
         train_sources[src] = train_sources.get(src, 0) + len(s)
         total += len(s)
-    return Corpus(train, held, len(docs), sources or [], data_hash, train_sources, held_sources)
+    return Corpus(train, held, len(docs), sources or [], data_hash, train_sources, held_sources, counts)

@@ -181,7 +181,7 @@ def train_drafter(target: str | Path, data: Sequence[str | Path], out: str | Pat
     from ..heads.eagle3 import Eagle3Head, head_config_for
     from .evaluate import held_out_acceptance, plot_curve, read_log
     from .loop import LoopSettings, last_checkpoint, train
-    from .vocab import count_tokens, draft_vocab
+    from .vocab import counts_array, draft_vocab
 
     out = Path(out)
     ckpt = last_checkpoint(out)
@@ -197,9 +197,12 @@ def train_drafter(target: str | Path, data: Sequence[str | Path], out: str | Pat
     echo(f"data: {corpus.documents} documents, {corpus.train_tokens} training tokens in {len(corpus.train)} samples, "
          f"{corpus.held_out_tokens} held-out tokens")
 
-    vocab = draft_vocab(count_tokens(corpus.train, model.args.vocab_size), settings.draft_vocab, stop_tokens(prep.tokenizer))
+    # frequencies over all the training documents, not only the (capped) samples that get features:
+    # a token seen only there still has a trained-like logit, the head's lm_head starting as the target's
+    vocab = draft_vocab(counts_array(corpus.vocab_counts, model.args.vocab_size), settings.draft_vocab,
+                        stop_tokens(prep.tokenizer))
     echo(f"draft vocabulary: {vocab.size} tokens ({vocab.distinct} distinct in the data), "
-         f"covering {vocab.coverage:.1%} of the training tokens")
+         f"covering {vocab.coverage:.1%} of the training documents' tokens")
     cfg = head_config_for(model, vocab.size, prep.tap_layers, settings.intermediate_size)
     mx.random.seed(settings.seed)
     head = Eagle3Head(cfg)

@@ -31,6 +31,14 @@ def count_tokens(samples: Iterable[Sequence[int]], vocab_size: int) -> np.ndarra
     return counts
 
 
+def counts_array(counts: dict[int, int], vocab_size: int) -> np.ndarray:
+    out = np.zeros(vocab_size, dtype=np.int64)
+    for t, n in counts.items():
+        if 0 <= t < vocab_size:
+            out[t] = n
+    return out
+
+
 def draft_vocab(counts: np.ndarray, size: int, always: Iterable[int] = ()) -> DraftVocab:
     """The `size` most frequent tokens (ties broken by lower id), plus the `always` ids (the
     end-of-sequence tokens, so the head can propose stopping). A token never seen gets no
