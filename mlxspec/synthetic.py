@@ -10,7 +10,8 @@ over one) measured on random weights are those of the real models. Acceptance is
 from a real run (`mlxspec bench --json`) or a stated default.
 
 A spec is `synthetic:SHAPE[:OPTION...]`: SHAPE one of SHAPES, options `q4`/`q8` (quantized
-weights, group size 64, as mlx-community's 4- and 8-bit repos), `layers=N`, `vocab=N` (smaller
+weights, group size 64, as mlx-community's 4- and 8-bit repos), `untied`/`tied` (a separate
+output layer or the embedding's, as released by default), `layers=N`, `vocab=N` (smaller
 variants; the tests use them). The dtype is the one `load` gets (bfloat16 when none is given).
 """
 
@@ -91,6 +92,8 @@ class SyntheticSpec:
             try:
                 if opt in ("q4", "q8", "q2", "q3", "q6"):
                     bits = int(opt[1:])
+                elif opt in ("tied", "untied"):  # converted GGUFs often carry a separate output layer
+                    config["tie_word_embeddings"] = opt == "tied"
                 elif key == "layers" and int(value) > 0:
                     config["num_hidden_layers"] = int(value)
                     if "sliding_window_pattern" in config:  # Gemma: every 6th layer global, if there are 6
@@ -101,7 +104,8 @@ class SyntheticSpec:
                     raise ValueError
             except ValueError:
                 raise ModelNotFoundError(
-                    f"bad option {opt!r} in {spec!r}: use q4 or q8 (quantized), layers=N or vocab=N") from None
+                    f"bad option {opt!r} in {spec!r}: use q4 or q8 (quantized), untied or tied (output "
+                    "layer), layers=N or vocab=N") from None
         return cls(name, config, bits)
 
     def weight_bytes(self, dtype: str) -> int:

@@ -21,6 +21,10 @@ def test_parse_specs():
     assert s.shape == "qwen2.5-7b" and s.bits == 4 and s.config["hidden_size"] == 3584
     s = S.SyntheticSpec.parse("synthetic:llama3-8b:layers=2:vocab=1000")
     assert s.config["num_hidden_layers"] == 2 and s.config["vocab_size"] == 1000 and s.bits is None
+    untied = S.SyntheticSpec.parse("synthetic:qwen2.5-0.5b:untied")
+    assert untied.config["tie_word_embeddings"] is False
+    assert untied.weight_bytes("float32") - S.SyntheticSpec.parse("synthetic:qwen2.5-0.5b").weight_bytes("float32") \
+        == 151936 * 896 * 4
     with pytest.raises(ModelNotFoundError, match="no synthetic shape 'qwen9'.*qwen2.5-0.5b"):
         S.SyntheticSpec.parse("synthetic:qwen9")
     with pytest.raises(ModelNotFoundError, match="bad option 'q5x'"):
@@ -36,6 +40,7 @@ def test_parse_specs():
 @pytest.mark.parametrize("spec,dtype", [
     (SMALL, "float32"),
     (SMALL + ":q4", "bfloat16"),
+    (SMALL + ":untied", "float32"),
     ("synthetic:qwen3-0.6b:layers=1:vocab=256", "bfloat16"),
     ("synthetic:llama3.2-1b:layers=1:vocab=256:q8", "float32"),
     ("synthetic:llama3.2-1b:layers=1:vocab=256", "float16"),

@@ -74,23 +74,31 @@ class ReducedHead:
             raise ValueError(f"draft_vocab: token id {self.ids[-1]} is past the draft's {width} outputs")
         self.inner, self.width = inner, width
         self.prefix = self.ids == list(range(len(self.ids)))
-        idx = None if self.prefix else mx.array(self.ids, mx.uint32)
         self.index = mx.array(self.ids, mx.uint32)
+        # the kept ids are a run 0..m-1 (a view of the weights, no copy) and a few others (copied)
+        m = next((i for i, t in enumerate(self.ids) if t != i), len(self.ids))
+        tail = mx.array(self.ids[m:], mx.uint32) if m < len(self.ids) else None
 
-        def rows(a: mx.array) -> mx.array:
-            return a[: len(self.ids)] if self.prefix else a[idx]
+        def rows(a: mx.array) -> list[mx.array]:
+            parts = [a[:m]] if m else []
+            if tail is not None:
+                parts.append(a[tail])
+            mx.eval(parts)
+            return parts
 
         if isinstance(proj, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w, s = rows(proj["weight"]), rows(proj["scales"])
-            b = rows(proj["biases"]) if "biases" in proj else None
+            b = rows(proj["biases"]) if "biases" in proj else [None] * ((m > 0) + (tail is not None))
             gs, bits, mode = proj.group_size, proj.bits, getattr(proj, "mode", "affine")
-            self._matmul = lambda h: mx.quantized_matmul(
-                h, w, scales=s, biases=b, transpose=True, group_size=gs, bits=bits, mode=mode)
+            blocks = list(zip(rows(proj["weight"]), rows(proj["scales"]), b))
+            self._blocks = [
+                lambda h, w=w, s=sc, b=bi: mx.quantized_matmul(
+                    h, w, scales=s, biases=b, transpose=True, group_size=gs, bits=bits, mode=mode)
+                for w, sc, bi in blocks
+            ]
         else:
-            w = rows(proj.weight)
-            self._matmul = lambda h: h @ w.T
+            self._blocks = [lambda h, w=w: h @ w.T for w in rows(proj.weight)]
         bias = getattr(lm_head, "bias", None) if lm_head is not None else None
-        self.bias = rows(bias) if bias is not None else None
+        self.bias = mx.concatenate(rows(bias)) if bias is not None else None
         cap = getattr(model, "final_logit_softcapping", None) or getattr(
             getattr(model, "args", None), "final_logit_softcapping", None)
         self.softcap = float(cap) if cap else None
@@ -102,7 +110,8 @@ class ReducedHead:
         return len(self.ids)
 
     def __call__(self, h: mx.array) -> mx.array:
-        out = self._matmul(h)
+        outs = [f(h) for f in self._blocks]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
         if self.bias is not None:
             out = out + self.bias
         if self.softcap is not None:
