@@ -14,7 +14,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -231,11 +230,10 @@ def test_disconnect_stops_generation_and_the_server_stays_responsive(server, cli
         assert c.get("/v1/models").json()["data"][0]["id"] == "pair"
         assert time.perf_counter() - tic < 2.0
     deadline = time.time() + 20
-    while metric(server, "requests_cancelled_total") == before[0]:
+    while metric(server, "requests_cancelled_total") == before[0] or metric(server, "busy"):
         assert time.time() < deadline, "the generation was not cancelled"
         time.sleep(0.05)
     assert metric(server, "generation_tokens_total") - before[1] < 2000
-    assert metric(server, "busy") == 0
     r = client.completions.create(model="pair", prompt=SHORT, max_tokens=64)
     assert r.choices[0].text == pair.generate(SHORT, max_tokens=64).text
 

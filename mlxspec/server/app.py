@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .schema import ApiError, Prepared, Served, chunk, parse_json, prepare, response, timings, usage_chunk
+from .schema import ApiError, Served, chunk, parse_json, prepare, response, timings, usage_chunk
 from .worker import Delta, Done, Failed, Job, QueueFull, Worker
 
 DEFAULT_MAX_BODY = 8 << 20

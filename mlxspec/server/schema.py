@@ -93,7 +93,7 @@ _NEUTRAL = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "suffix": (None, ""),
-    "repetition_penalty": (None, 1, 1.0),
+    "repetition_penalty": (None, 1, 1.0), "response_format": (None, {"type": "text"}),
 }
 
 
