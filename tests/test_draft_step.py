@@ -79,8 +79,8 @@ def test_greedy_identity_through_the_option(target, near):
         pair.generate([1], max_tokens=2, draft_vocab=-1)
 
 
-@pytest.mark.parametrize("ids", [list(range(28)), SCATTERED], ids=["prefix", "scattered"])
-def test_sampled_output_follows_target_with_reduced_vocabulary(target, near, ids):
+def test_sampled_output_follows_target_with_reduced_vocabulary(target, near):
+    ids = sorted(set(range(12)) | set(SCATTERED[::2]))  # a run 0..11 (a view) and others (gathered)
     sp = SamplingParams(temperature=1.0, top_k=6)
     prompt = [9, 40, 33]
     exact = exact_marginals(target, prompt, sp, steps=3)
