@@ -106,6 +106,9 @@ def convert(
             target.convert_into(tmp, log)
         else:
             drafted = _prepare(draft, log, options)
+            if isinstance(target, _PreparedHead) or isinstance(drafted, _PreparedHead):
+                raise ConvertError("a trained draft head is converted on its own (`mlxspec convert HEAD -o OUT`) "
+                                   "and loaded with `--draft OUT`; it cannot go into a pair folder")
             (tmp / "target").mkdir()
             (tmp / "draft").mkdir()
             # tokenizers first: a mismatched pair fails in seconds, before any weights are written
@@ -251,13 +254,83 @@ def _prepare(source: str | os.PathLike, log: "_Log", options: dict[str, Any]) ->
                                "it is corrupt or not a GGUF file")
         raise ConvertError(f"{path} is neither a GGUF file nor a Hugging Face folder")
     if path.is_dir():
-        return _prepare_hf(path, log, options, provenance={"source": str(path.absolute()),
-                                                            "source_kind": "hf-folder"})
+        prov = {"source": str(path.absolute()), "source_kind": "hf-folder"}
+        if _is_head(path):
+            return _PreparedHead(path, options, prov)
+        return _prepare_hf(path, log, options, provenance=prov)
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", src) and not src.startswith((".", "/")):
         folder, revision = _download(src, log)
-        return _prepare_hf(folder, log, options, provenance={
-            "source": src, "source_kind": "hf-hub", "revision": revision})
+        prov = {"source": src, "source_kind": "hf-hub", "revision": revision}
+        if _is_head(folder):
+            return _PreparedHead(folder, options, prov)
+        return _prepare_hf(folder, log, options, provenance=prov)
     raise ConvertError(f"{src}: no such file or folder (and not a Hugging Face repo id)")
+
+
+def _is_head(folder: Path) -> bool:
+    from .heads import is_head
+
+    return is_head(folder)
+
+
+class _PreparedHead:
+    """A trained draft head (EAGLE-3, DFlash, DSpark: mlxspec.heads): its config.json is copied
+    as it is and its safetensors tensors are written under their published names into one
+    model.safetensors, floating-point tensors in the asked dtype (d2t/t2d and other integer or
+    boolean maps kept), with provenance. Checked by reading it back as a head of its family."""
+
+    def __init__(self, folder: Path, options: dict[str, Any], provenance: dict[str, Any]):
+        self.folder = folder
+        self.options = options
+        self.label = provenance["source"].rstrip("/").split("/")[-1]
+        self.provenance = {**provenance, "converter": "mlxspec.convert", "kind": "draft-head"}
+        if options["quantize"]:
+            raise ConvertError(f"{self.label} is a trained draft head: convert it without --quantize")
+        self.files = sorted(folder.glob("*.safetensors"))
+        if not self.files:
+            others = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+            hint = f" (found {', '.join(others[:3])}: re-save it with safetensors)" if others else ""
+            raise ConvertError(f"{folder} is a draft head without .safetensors weights{hint}")
+
+    def convert_into(self, out_dir: Path, log: "_Log", tokenizer_done: bool = False) -> None:
+        import mlx.core as mx
+
+        from .heads import head_family
+
+        dtype = self.options["dtype"]
+        weights: dict[str, Any] = {}
+        for f in self.files:
+            weights.update(mx.load(str(f)))
+        if dtype is not None:
+            want = getattr(mx, dtype)
+            weights = {k: v.astype(want) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        log(f"{self.label}: writing {len(weights)} tensors of a {head_family(self.folder)} head")
+        mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+        config = json.loads((self.folder / "config.json").read_text())
+        if dtype is not None:
+            config["torch_dtype"] = dtype
+        _write_json(out_dir / "config.json", config)
+        self.provenance["sha256"] = {p.name: _sha256(p, log) for p in sorted(self.files + [self.folder / "config.json"])}
+        self.provenance["options"] = {**self.options, "dtype": dtype or "as stored"}
+        self.provenance["mlxspec_version"] = _version()
+        self.provenance["versions"] = _versions()
+        self.provenance["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.provenance["output"] = {"tensors": len(weights),
+                                     "bytes": (out_dir / "model.safetensors").stat().st_size}
+        _write_json(out_dir / PROVENANCE, self.provenance)
+        self._verify(out_dir, config)
+
+    def _verify(self, out_dir: Path, config: dict) -> None:
+        from .heads import head_family
+
+        if head_family(out_dir) == "LlamaForCausalLMEagle3":
+            from .heads.eagle3 import load_head
+
+            layers = config.get("num_target_layers") or 64  # only for default taps; not checked here
+            try:
+                load_head(out_dir, target_layers=layers)
+            except Exception as e:
+                raise ConvertError(f"{self.label}: the written head does not load: {type(e).__name__}: {e}") from None
 
 
 def _download(repo_id: str, log: "_Log") -> tuple[Path, str | None]:

@@ -430,3 +430,28 @@ def test_generate_and_bench_with_draft_head(tmp_path):
             rec = getattr(layer, "_mlxspec_tap", None)
             if rec is not None:
                 rec.remove()
+
+
+def test_convert_copies_a_head_with_provenance(tmp_path, target):
+    from mlxspec.convert import ConvertError, convert
+
+    used = np.arange(0, VOCAB, 2)
+    head = random_head(8, used, taps=(0, 1, 1))
+    write_published(tmp_path / "src", head, layers0=True, dtype=mx.bfloat16)
+    out = convert(tmp_path / "src", tmp_path / "out", dtype="float16", progress=False)
+    stored = mx.load(str(out / "model.safetensors"))
+    assert stored["layers.0.self_attn.q_proj.weight"].dtype == mx.float16  # published names kept
+    assert stored["d2t"].dtype == mx.int64 and stored["t2d"].dtype == mx.bool_
+    prov = json.loads((out / "mlxspec-provenance.json").read_text())
+    assert prov["kind"] == "draft-head" and prov["options"]["dtype"] == "float16"
+    assert set(prov["sha256"]) == {"model.safetensors", "config.json"}
+    save_tiny(tmp_path / "t", target)
+    pair = mlxspec.load(tmp_path / "t", draft=out, dtype="float32")
+    try:
+        assert pair.head.family == "eagle3" and pair.head.info["draft_vocab"] == 32
+        assert pair.generate("w7 w8", max_tokens=6).tokens == pair.generate("w7 w8", max_tokens=6, drafter="none").tokens
+    finally:
+        pair.head.recorder.remove()
+    with pytest.raises(ConvertError, match="without --quantize"):
+        convert(tmp_path / "src", tmp_path / "q", quantize=4, progress=False)
+    assert not (tmp_path / "q").exists()
