@@ -287,8 +287,9 @@ def _hf_hidden_states(model, ids):
     return out
 
 
-@pytest.mark.parametrize("arch", ["DFlashDraftModel", "Qwen3DSparkModel"])
-def test_block_matches_the_reference_forward_and_slot_convention(qtarget, tmp_path, arch):
+@pytest.mark.parametrize("arch, markov", [("DFlashDraftModel", None), ("Qwen3DSparkModel", "vanilla"),
+                                           ("Qwen3DSparkModel", "gated")])
+def test_block_matches_the_reference_forward_and_slot_convention(qtarget, tmp_path, arch, markov):
     """Drafts of rounds in a real generation equal the numpy re-implementation of the reference
     forward, with DFlash's slots 1..k (own position) and DSpark's slots 0..k-1 (shifted by one,
     Markov-corrected from the previous draft, the anchor for slot 0); shifted or swapped slots,
@@ -297,6 +298,11 @@ def test_block_matches_the_reference_forward_and_slot_convention(qtarget, tmp_pa
     kw = {"markov_rank": 8} if arch == "Qwen3DSparkModel" else {}
     cfg = published_config(arch, qtarget, block_size=bs, **kw)
     w = published_weights(cfg, qtarget, seed=5, scale=1.0)
+    if markov == "gated":  # DeepSpec's GatedMarkovHead: gate_proj over [h; W1[prev]]
+        cfg["markov_head_type"] = "gated"
+        rng = np.random.default_rng(6)
+        w["markov_head.gate_proj.weight"] = rng.standard_normal((8, 32 + 8)).astype(np.float32)
+        w["markov_head.gate_proj.bias"] = rng.standard_normal(8).astype(np.float32)
     head = load_trained_head(write_head(tmp_path / "h", cfg, w, dtype=mx.float32), qtarget)
     pair = mlxspec.Pair(qtarget, head=head)
     session = pair.new_session(drafter="head")
@@ -329,7 +335,15 @@ def test_block_matches_the_reference_forward_and_slot_convention(qtarget, tmp_pa
         if dspark:
             w1, w2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
             prev = [seq[-1]] + toks[:-1]
-            logits = h[:k] @ w["lm_head.weight"].T + w1[prev] @ w2.T  # slot j predicts start + j + 1
+
+            def markov_bias(hs, prev_ids):
+                e = w1[prev_ids]
+                if markov == "gated":
+                    z = np.concatenate([hs, e], -1) @ w["markov_head.gate_proj.weight"].T + w["markov_head.gate_proj.bias"]
+                    e = e / (1 + np.exp(-z))
+                return e @ w2.T
+
+            logits = h[:k] @ w["lm_head.weight"].T + markov_bias(h[:k], prev)  # slot j predicts start + j + 1
         else:
             logits = h[1 : 1 + k] @ lm_head.T  # slot j predicts its own position start + j
         want = np.array(log_probs(mx.array(logits), sp))
@@ -338,7 +352,7 @@ def test_block_matches_the_reference_forward_and_slot_convention(qtarget, tmp_pa
         # the other convention (a shift by one) would give other distributions
         if dspark:
             m = min(k, bs - 1)
-            wrong = h[1 : 1 + m] @ w["lm_head.weight"].T + (w1[prev] @ w2.T)[:m]
+            wrong = h[1 : 1 + m] @ w["lm_head.weight"].T + markov_bias(h[1 : 1 + m], prev[:m])
         else:
             m, wrong = k, h[:k] @ lm_head.T
         assert np.abs(np.exp(np.array(log_probs(mx.array(wrong), sp))) - np.exp(want[:m])).max() > 1e-2
