@@ -53,7 +53,7 @@ def tiny_target(arch: str, seed: int, layers: int = 4, bigram: bool = False):
         z = mx.random.normal((VOCAB, HIDDEN - 1))
         z = z / mx.sqrt((z * z).sum(-1, keepdims=True)) * (HIDDEN - 1) ** 0.5
         model.model.embed_tokens.weight = mx.concatenate([mx.ones((VOCAB, 1)), z], axis=1)
-        model.lm_head.weight = mx.random.normal((VOCAB, HIDDEN)) * 3.0
+        model.lm_head.weight = mx.random.normal((VOCAB, HIDDEN)) * 0.4
         for layer in model.model.layers:  # each layer passes its input on unchanged
             layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
             layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
@@ -170,7 +170,8 @@ _TARGETS: dict = {}
 def target_of(arch: str, bigram: bool = False, layers: int = 4):
     key = (arch, bigram, layers)
     if key not in _TARGETS:
-        _TARGETS[key] = tiny_target(arch, seed=11 + len(_TARGETS), layers=layers, bigram=bigram)
+        seed = 10 * ("llama", "qwen2", "qwen3").index(arch) + layers + 100 * bigram  # not the test order
+        _TARGETS[key] = tiny_target(arch, seed=seed, layers=layers, bigram=bigram)
     return _TARGETS[key]
 
 
@@ -314,15 +315,16 @@ def test_greedy_identity_across_chat_turns_and_early_stop(tmp_path):
 
 
 def test_sampled_output_follows_the_target(tmp_path):
-    """The copying head with a quarter of the vocabulary left out: q is the target's distribution
-    renormalised over the draft vocabulary, so drafts are accepted, rejected and resampled
-    (about half of them accepted here)."""
+    """The copying head with the second most likely token of each of the first two steps left out
+    of its vocabulary: q is the target's distribution renormalised over the draft vocabulary, so
+    drafts are accepted, rejected and resampled."""
     sp = SamplingParams(temperature=1.0, top_k=4)
     target = target_of("qwen3", bigram=True)
-    head = copying_head(target, [t for t in range(VOCAB) if t % 4 != 1])
-    pair = head_pair(target, head, tmp_path)
     prompt = [7, 21, 40, 3]
     exact = exact_marginals(target, prompt, sp, steps=3)
+    drop = {int(np.argsort(exact[0])[-2]), int(np.argsort(exact[1])[-2])}
+    head = copying_head(target, [t for t in range(VOCAB) if t not in drop])
+    pair = head_pair(target, head, tmp_path)
     session = pair.new_session()
     n, samples, drafted, accepted = 700, [], 0, 0
     for s in range(n):
@@ -331,7 +333,7 @@ def test_sampled_output_follows_the_target(tmp_path):
         samples.append(res.tokens)
         drafted, accepted = drafted + res.stats.drafted, accepted + res.stats.accepted
     check_marginals(np.array(samples), exact)
-    assert drafted // 3 < accepted < drafted
+    assert drafted // 4 < accepted < drafted * 9 // 10
     pair.head.recorder.remove()
 
 
