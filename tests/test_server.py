@@ -110,7 +110,8 @@ def http(server) -> httpx.Client:
 
 
 def metric(server, name: str) -> float:
-    text = http(server).get("/metrics").text
+    with http(server) as c:
+        text = c.get("/metrics").text
     return float(re.search(rf"^mlxspec_{name} (\S+)$", text, re.M).group(1))
 
 
@@ -171,7 +172,7 @@ def test_streaming_equals_non_streaming(client, pair, server):
     # completions stream the same text as generate; the raw stream ends with [DONE]
     want = pair.generate(PROMPTS[3], max_tokens=30).text
     body = {"prompt": PROMPTS[3], "max_tokens": 30, "stream": True}
-    with http(server).stream("POST", "/v1/completions", json=body) as r:
+    with http(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     docs = [json.loads(ln[6:]) for ln in lines[:-1]]
@@ -312,22 +313,27 @@ BAD = [
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, pair):
-    c = http(server)
+    with http(server) as c:
+        check_bad_requests(c)
+        r = c.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = client.completions.create(model="pair", prompt=SHORT, max_tokens=64)
+    assert r.choices[0].text == pair.generate(SHORT, max_tokens=64).text
+
+
+def check_bad_requests(c: httpx.Client) -> None:
     for path, body, status, where in BAD:
         r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
         assert r.status_code == status, (path, body if isinstance(body, dict) else body[:40], r.text)
         err = r.json()["error"]
         assert err["message"] and err["type"] and where in (err["param"], err["code"]), (where, err)
         assert "Traceback" not in r.text
-    r = c.get("/v1/chat/completions")
-    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
-    r = client.completions.create(model="pair", prompt=SHORT, max_tokens=64)
-    assert r.choices[0].text == pair.generate(SHORT, max_tokens=64).text
 
 
 def test_max_tokens_past_the_context_window_is_lowered_with_a_warning(server):
     prompt = " ".join(["w9"] * (CONTEXT - 5))
-    r = http(server).post("/v1/completions", json={"prompt": prompt, "max_tokens": 100})
+    with http(server) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 100})
     assert r.status_code == 200 and "max_tokens lowered to 5" in r.headers["x-mlxspec-warning"]
     assert r.json()["usage"]["completion_tokens"] <= 5
 
