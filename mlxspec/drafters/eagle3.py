@@ -10,6 +10,10 @@ propose, where the accepted positions are recomputed from the target's verified 
 
 The head's cache is rewound by common prefix like CachedLM: entry j depends on tokens 0..j+1.
 
+With `tree_nodes` > 0 (`--tree-nodes N`) it drafts a dynamic token tree instead of a chain
+(`_propose_tree`), verified by the engine in one target pass; the target's feature rows of the
+accepted path are then kept in order (TargetFeatures.keep_path), as the target's cache keeps them.
+
 Its logits cover the draft vocabulary; a draft id d is target id d + d2t[d]. Greedy takes the
 argmax in the draft vocabulary; sampling draws from sampling.log_probs of the draft logits, and
 q (what acceptance needs) is that distribution scattered into the target's ids, zero elsewhere.
@@ -40,7 +44,8 @@ class Eagle3Drafter:
     name = "head"  # the registry name (drafter="head")
     source = "eagle3"  # what stats and the length policy call its tokens
 
-    def __init__(self, head: "TrainedHead", target_model: nn.Module, cost: float | None = None):
+    def __init__(self, head: "TrainedHead", target_model: nn.Module, cost: float | None = None,
+                 width: int = 4, max_depth: int = 8):
         from ..heads import target_embedding
         from ..heads.eagle3 import draft_to_target
 
@@ -60,6 +65,11 @@ class Eagle3Drafter:
         # early stop, as ModelDrafter (the engine sets these per generation)
         self.p_min: float | None = None
         self.min_tokens = 1
+        # token trees (the engine sets tree_nodes per generation; 0 drafts chains): a dynamic
+        # tree as TreeModelDrafter builds it, `width` candidates expanded per depth
+        self.tree_nodes = 0
+        self.width, self.max_depth = width, max_depth
+        self._tree_size = 0
 
     # -- the engine's calls ----------------------------------------------------------------
     def attach(self, target: CachedLM) -> None:
@@ -86,6 +96,8 @@ class Eagle3Drafter:
         out = self._catch_up(seq, len(seq) - 1)
         if out is None:
             return None
+        if self.tree_nodes > 0:
+            return self._propose_tree(out, len(seq) - 1, min(k, self.max_depth), sp)
         logits, h = out
         keys = mx.random.split(key, k) if not sp.greedy else None
         tokens, qs = [], []
@@ -108,6 +120,98 @@ class Eagle3Drafter:
 
     def commit(self, draft_tokens: list[int]) -> None:
         pass  # draft-step entries are trimmed at the next propose, which recomputes from features
+
+    def commit_tree(self, path: list[int], tokens: list[int]) -> None:
+        """A tree round: the target kept the accepted path's nodes; so do its feature rows."""
+        if self.features is not None:
+            self.features.keep_path(self._tree_size, path)
+
+    # -- token trees -----------------------------------------------------------------------
+    def _propose_tree(self, out: tuple[mx.array, mx.array], pos: int, depth_max: int,
+                      sp: SamplingParams) -> Draft | None:
+        """A dynamic tree (as drafters/tree_model.py): the root's top-`width` tokens are the
+        depth-1 candidates; at each depth the `width` candidates of highest cumulative
+        log-probability are expanded in one head forward (each fed its parent's pre-norm h and
+        its own token, at head position pos - 1 + depth, attending to the head's cache and its
+        own ancestors); the tree is the `tree_nodes` best candidates. Children are the head's
+        top tokens, chosen before the target's randomness: the engine verifies them with the
+        deterministic-children rule, exact at any temperature. One host wait per depth."""
+        logits, h = out
+        base = self.cache.offset  # the head positions computed from target features
+        cands: list[tuple[int, int, float, int]] = []  # (target id, parent candidate, cum. log-prob, depth)
+        hidden = {-1: h[0, 0]}  # expanded candidate -> its pre-norm h (its children's input)
+        slot_of: dict[int, int] = {}
+        slot_parents: list[int] = []
+        frontier, rows = [-1], logits[None]
+        for depth in range(1, depth_max + 1):
+            toks, vals = self._top(rows, sp)
+            new = []
+            for parent, row_t, row_v in zip(frontier, toks, vals):
+                start = cands[parent][2] if parent >= 0 else 0.0
+                for t, v in zip(row_t, row_v):
+                    if v > -float("inf"):
+                        new.append(len(cands))
+                        cands.append((int(t), parent, start + float(v), depth))
+            if depth == depth_max:
+                break
+            ranked = sorted((c[2] for c in cands), reverse=True)
+            bar = ranked[self.tree_nodes - 1] if len(ranked) >= self.tree_nodes else -float("inf")
+            frontier = [c for c in sorted(new, key=lambda c: -cands[c][2])[: self.width] if cands[c][2] > bar]
+            if not frontier:
+                break
+            first = len(slot_parents)
+            for c in frontier:
+                slot_of[c] = len(slot_parents)
+                p = cands[c][1]
+                slot_parents.append(slot_of[p] if p >= 0 else -1)
+            rows, hs = self._expand(frontier, cands, hidden, slot_parents, first, base, pos - 1 + depth)
+            for i, c in enumerate(frontier):
+                hidden[c] = hs[i]
+        if not cands:
+            return None
+        chosen = sorted(range(len(cands)), key=lambda c: (-cands[c][2], c))[: self.tree_nodes]
+        chosen.sort(key=lambda c: (cands[c][3], c))  # parents before children
+        node_of = {c: i for i, c in enumerate(chosen)}
+        parents = [node_of[cands[c][1]] if cands[c][1] >= 0 else -1 for c in chosen]
+        self._tree_size = len(chosen)
+        return Draft(mx.array([cands[c][0] for c in chosen], mx.uint32), None, self.source, parents=parents)
+
+    def _top(self, logits: mx.array, sp: SamplingParams) -> tuple[list, list]:
+        """Top-`width` target ids and log-probabilities of each row of draft logits (R, Vd)."""
+        if sp.greedy:
+            x = logits.astype(mx.float32)
+            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        else:
+            lp = log_probs(logits, sp)
+        b = min(self.width, lp.shape[-1])
+        idx = mx.argpartition(-lp, kth=b - 1, axis=-1)[:, :b]
+        vals = mx.take_along_axis(lp, idx, axis=-1)
+        ids = idx.astype(mx.uint32) if self._identity else self._ids[idx]
+        return ids.tolist(), vals.tolist()  # a host wait: which candidates to expand next
+
+    def _expand(self, frontier: list[int], cands: list, hidden: dict, slot_parents: list[int], first: int,
+                base: int, position: int) -> tuple[mx.array, mx.array]:
+        """One head forward over the candidates `frontier` (new slots first.. of the head's
+        cache): draft logits (w, Vd) and pre-norm h (w, H)."""
+        import numpy as np
+
+        mid = self.head.midlayer
+        attn = mid.self_attn
+        w, n = len(frontier), len(slot_parents)
+        mask = np.zeros((w, base + n), dtype=bool)
+        mask[:, :base] = True
+        for r in range(w):
+            s = first + r
+            while s >= 0:
+                mask[r, base + s] = True
+                s = slot_parents[s]
+        emb = self.embed(mx.array([cands[c][0] for c in frontier], mx.uint32)[None])
+        x = mx.stack([hidden[cands[c][1]] for c in frontier])[None]
+        q, k, v = attn.project(mid.attn_input(emb, x), offset=position)
+        k, v = self.cache.update_and_fetch(k, v)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mx.array(mask))
+        h = mid.finish(x, attn.output(o))
+        return self.head.logits(h)[0], h[0]
 
     # -- internals -------------------------------------------------------------------------
     def _catch_up(self, seq: Sequence[int], upto: int) -> tuple[mx.array, mx.array] | None:

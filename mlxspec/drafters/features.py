@@ -126,6 +126,20 @@ class TargetFeatures:
             mx.eval(merged)
             self._chunks = [(start, merged)]
 
+    def keep_path(self, n_nodes: int, path: list[int]) -> None:
+        """After a token-tree verify pass (tree.keep_path on the target): its last n_nodes rows
+        are the tree's nodes in node order; keep those of the accepted `path`, in order, as the
+        rows of the positions the target's cache now holds them at."""
+        if not self._chunks:
+            return
+        start, rows = self._chunks[-1]
+        fed = rows.shape[0] - n_nodes
+        if fed < 0:  # not the tree forward: forget it, the drafter recomputes what it lacks
+            self._truncate(start)
+            return
+        idx = mx.array(list(range(fed)) + [fed + i for i in path], mx.int32)
+        self._chunks[-1] = (start, rows[idx])
+
     def recompute_from(self, pos: int) -> None:
         """Make the next target forward compute rows pos.. again, by rewinding the target's
         cache to pos (the engine feeds from there; the tokens of seq are unchanged)."""
