@@ -138,3 +138,20 @@ def test_loaded_blas_ignores_numpys_openblas():
     if not sys.platform.startswith("linux") or os.environ.get("LD_PRELOAD"):
         pytest.skip("needs a Linux process without a preloaded BLAS")
     assert P.loaded_blas().startswith("reference")
+
+
+def test_float32_products_do_not_depend_on_the_number_of_rows():
+    """What greedy identity needs from the backend: a row of a several-row float32 product (a
+    verify pass) equals the one-row product (one-token decoding) up to float32 rounding. Fails on
+    a GPU computing in TF32 (3e-4 relative on an H200); full float32 measured 2e-5 there."""
+    import mlx.core as mx
+
+    if os.environ.get(P.TF32_VARIABLE) != "0":
+        pytest.skip("the user chose TF32 (MLX_ENABLE_TF32 is not 0)")
+    x = mx.random.normal((5, 1536), key=mx.random.key(0))
+    w = mx.random.normal((1536, 2048), key=mx.random.key(1)) / 40
+    many = x @ w
+    for i in range(5):
+        one = x[i : i + 1] @ w
+        rel = (mx.abs(many[i] - one[0]).max() / mx.abs(one).max()).item()
+        assert rel < 1e-4, f"row {i}: {rel:.1e} relative"
