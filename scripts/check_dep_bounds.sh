@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     lowest|newest) modes+=("$1"); shift ;;
     both) modes+=(lowest newest); shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (lowest, newest, both, then -- pytest args)" >&2; exit 2 ;;
   esac
 done
