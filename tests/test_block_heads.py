@@ -514,9 +514,11 @@ def test_load_session_turns_and_long_prompts(ltarget, tmp_path):
 
     save_tiny(tmp_path / "t", ltarget)
     cfg = published_config("Qwen3DSparkModel", ltarget, block_size=4, markov_rank=8, confidence=True)
-    head_dir = write_head(tmp_path / "h", cfg, published_weights(cfg, ltarget, 4))
+    head_dir = write_head(tmp_path / "h", cfg, published_weights(cfg, ltarget, 4), dtype=mx.float32)
     pair = mlxspec.load(tmp_path / "t", draft=head_dir)
     assert pair.head.family == "dspark" and pair.head.info["block_size"] == 4
+    # its embed_tokens and lm_head are copies of the target's: held once
+    assert pair.head.info["shares_target"] == ["embed_tokens", "lm_head"]
     target = pair.target
     session = pair.new_session()
     first = [9, 40, 33, 12, 8, 8]
