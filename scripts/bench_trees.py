@@ -74,7 +74,12 @@ def main() -> None:
     ap.add_argument("--per-kind", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--simulate", default=None, metavar="JSON",
+                    help="no models: replay lookup and suffix (greedy) on the target outputs saved by --out")
     args = ap.parse_args()
+    if args.simulate:
+        simulate_file(args.simulate)
+        return
     maybe_reexec_with_openblas()
 
     import mlxspec
@@ -90,7 +95,7 @@ def main() -> None:
         target = pair.new_session(drafter="none")
         if len(row["turns"]) > 1:  # the first turn (greedy: the target's own reply) becomes the prompt
             target.drafter = pair.make_drafter(drafter="model")
-            first = pair.generate(messages, max_tokens=120, adaptive=True, session=target)
+            first = pair.generate(messages, max_tokens=80, adaptive=True, session=target)
             messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": row["turns"][1]}]
         drafters = {}
         ref = None
@@ -108,10 +113,66 @@ def main() -> None:
                 "prompt_tokens": s.prompt_tokens, "identical": res.tokens == ref,
             }
             print(json.dumps(run), flush=True)
+            if name == "target":  # what --simulate replays (not printed)
+                run.update(prompt_ids=pair.encode(messages), output=res.tokens)
             runs.append(run)
     if args.out:
         Path(args.out).write_text(json.dumps(runs, indent=1))
     summarize(runs, [c[0] for c in configs])
+
+
+SIMULATED = [
+    ("lookup adaptive", "lookup", dict(adaptive=True)),
+    ("suffix adaptive", "suffix", dict(adaptive=True)),
+    ("suffix tree 8", "suffix", dict(tree_nodes=8)),
+    ("suffix tree 16", "suffix", dict(tree_nodes=16)),
+]
+
+
+def simulate(kind: str, opts: dict, prompt: list[int], output: list[int]) -> float:
+    """Tokens per target pass of a model-free drafter at temperature 0, replayed without models:
+    a proposal (chain or tree) is accepted along the path that matches the target's own output,
+    which is exactly what the engine's greedy rule accepts."""
+    from mlxspec.drafters import LookupDrafter, SuffixDrafter
+    from mlxspec.options import GenerateOptions
+    from mlxspec.sampling import SamplingParams
+    from mlxspec.tree_accept import children_of
+
+    cfg = GenerateOptions(drafter=kind, **opts)
+    d = LookupDrafter() if kind == "lookup" else SuffixDrafter()
+    d.tree_nodes = cfg.tree_nodes if kind == "suffix" else 0
+    policy = cfg.length_policy(d.costs)
+    d.prefill(prompt)
+    seq, done, passes, accepted = list(prompt), 0, 0, 0
+    while done < len(output):
+        source = d.next_source(seq)
+        k = min(cfg.tree_nodes if d.tree_nodes else policy.k(source), len(output) - done - 1)
+        draft = d.propose(seq, k, SamplingParams(), None, 1 << 20) if k > 0 else None
+        n = 0
+        if draft is not None:
+            toks = draft.tokens.tolist()
+            kids = children_of(draft.parents if draft.parents is not None else list(range(-1, len(toks) - 1)))
+            row = 0
+            while done + n < len(output):
+                nxt = next((c for c in kids[row] if toks[c] == output[done + n]), None)
+                if nxt is None:
+                    break
+                n, row = n + 1, nxt + 1
+            if not d.tree_nodes:
+                policy.update(source, len(toks), n)
+        passes, accepted = passes + 1, accepted + n
+        seq += output[done : done + n + 1]
+        done += n + 1
+    return 1 + accepted / passes
+
+
+def simulate_file(path: str) -> None:
+    runs = [r for r in json.loads(Path(path).read_text()) if r["config"] == "target" and "output" in r]
+    print("| prompt | kind | " + " | ".join(n for n, _, _ in SIMULATED) + " |")
+    print("|---|---|" + "---|" * len(SIMULATED))
+    for r in runs:
+        cells = [f"{simulate(k, o, r['prompt_ids'], r['output']):.2f}" for _, k, o in SIMULATED]
+        print(f"| {r['id']} | {r['kind']} | " + " | ".join(cells) + " |")
 
 
 def summarize(runs: list[dict], names: list[str]) -> None:

@@ -41,7 +41,7 @@ from .model import ModelDrafter
 class TreeModelDrafter(ModelDrafter):
     def __init__(
         self, model: nn.Module, cost: float = 0.0, vocab_ids: Sequence[int] | None = None,
-        width: int = 4, max_depth: int = 8,
+        width: int = 4, max_depth: int = 16,
     ):
         super().__init__(model, cost, vocab_ids)
         if width < 1 or max_depth < 1:
