@@ -465,7 +465,9 @@ def measure_costs(pair, ids: list[int], max_n: int, repeats: int = 5, draft_voca
         if rep:
             td.append(t)
     verify = [median(tt[n]) for n in range(1, max_n + 1)]
-    return Costs(context_tokens=len(ids), target_step=verify[0], draft_step=median(td), verify=verify)
+    # a block head (DFlash, DSpark) drafts a whole block per timed step: c per drafted token
+    per_step = pair.head.info.get("drafts_per_step", 1) if pair.draft is None and getattr(pair, "head", None) else 1
+    return Costs(context_tokens=len(ids), target_step=verify[0], draft_step=median(td) / per_step, verify=verify)
 
 
 # ---------------------------------------------------------------------------------------------

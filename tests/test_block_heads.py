@@ -535,3 +535,18 @@ def test_load_session_turns_and_long_prompts(ltarget, tmp_path):
     res = pair.generate(long_prompt, max_tokens=10, num_draft=4)
     assert res.tokens == reference_greedy(target, long_prompt, 10) and res.stats.drafted > 0
     pair.head.recorder.remove()
+
+
+@pytest.mark.parametrize("arch, kw", [("DFlashDraftModel", {}), ("Qwen3DSparkModel", {"markov_rank": 8})])
+def test_bench_times_a_block(qtarget, tmp_path, arch, kw):
+    """bench's draft-step cost for a block head: one block round per timed step, over the block's
+    drafts (c per drafted token); the timed steps leave the head's cache at the context."""
+    from mlxspec.bench import measure_costs
+    from mlxspec.drafters.block_head import step_timer
+
+    pair, head = make_pair(qtarget, tmp_path, arch, block_size=4, **kw)
+    step, cache = step_timer(head, qtarget, 12)
+    out = step(mx.array([[5]], mx.uint32), cache)
+    assert out.shape == (head.module.config.drafts_per_block,) and cache[0].offset == 13
+    costs = measure_costs(pair, list(range(1, 13)), 3, repeats=1)
+    assert costs.draft_step > 0 and costs.c > 0

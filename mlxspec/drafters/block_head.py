@@ -182,3 +182,35 @@ def _top_prob(logits: mx.array) -> mx.array:
     """The plain softmax's top probability (greedy drafts have no sampling distribution)."""
     x = logits.astype(mx.float32)
     return mx.exp(mx.max(x, axis=-1) - mx.logsumexp(x, axis=-1))
+
+
+def step_timer(head, target_model, context: int):
+    """(step, cache) for bench's cost of drafting (TrainedHead.step_timer): `step(x, cache)` runs
+    one block round over a head cache of `context` positions: one new context row (bench trims
+    it after each call), the block forward, the slots' logits and greedy tokens. Bench divides
+    its time by the block's drafts (info["drafts_per_step"]), so its c is per drafted token and
+    k * c is the block's cost at k = the block's drafts."""
+    from ..heads import target_dims
+
+    module = head.module
+    cfg = module.config
+    drafter = BlockHeadDrafter(module, head.recorder, head.family)
+    width = len(cfg.tap_layers) * cfg.hidden_size
+    dtype = module.fc.weight.dtype
+    cache = module.make_cache()
+    if context:
+        module.add_context(mx.zeros((1, context, width), dtype), cache)
+        mx.eval([c.keys for c in cache])
+    row = mx.zeros((1, 1, width), dtype)
+    mask = mx.array([cfg.mask_token_id] * (cfg.block_size - 1), mx.uint32)
+    vocab = target_dims(target_model)["vocab_size"]
+    sp, key, k = SamplingParams(), mx.random.key(0), cfg.drafts_per_block
+
+    def step(x: mx.array, cache: list) -> mx.array:
+        block = mx.concatenate([x[0, -1:].astype(mx.uint32), mask])[None]
+        h = module(block, row, cache)[0]
+        if cfg.dspark:
+            return drafter._dspark_slots(h[:k], 0, k, sp, key, vocab)[0]
+        return drafter._dflash_slots(h[1 : 1 + k], sp, key, vocab)[0]
+
+    return step, cache

@@ -547,10 +547,13 @@ def load_trained(folder: Path, target: nn.Module, dtype: mx.Dtype | None = None)
 
         return BlockHeadDrafter(pair.head.module, pair.head.recorder, family)
 
-    info = {"block_size": cfg.block_size, "taps": list(cfg.tap_layers), "layers": cfg.num_hidden_layers}
+    from ..drafters.block_head import step_timer
+
+    info = {"block_size": cfg.block_size, "taps": list(cfg.tap_layers), "layers": cfg.num_hidden_layers,
+            "drafts_per_step": cfg.drafts_per_block}  # bench: one timed step drafts a whole block
     if cfg.dspark:
         info.update(markov_rank=cfg.markov_rank, confidence_head=cfg.confidence_head, shares_target=shared)
-    return TrainedHead(family, head, cfg.tap_layers, folder, make_drafter, info=info)
+    return TrainedHead(family, head, cfg.tap_layers, folder, make_drafter, info=info, step_timer=step_timer)
 
 
 def _share_target_copies(head: BlockHead, target: nn.Module) -> list[str]:
