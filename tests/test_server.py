@@ -27,6 +27,7 @@ from mlxspec.options import GenerateOptions
 from mlxspec.server.prompt_cache import PromptCache
 from mlxspec.server.schema import ApiError, Served, prepare
 from mlxspec.server.stops import StopScanner
+from mlxspec.server.text import TextStream
 
 from conftest import perturbed, save_tiny, tiny_llama
 
@@ -115,6 +116,11 @@ def metric(server, name: str) -> float:
     return float(re.search(rf"^mlxspec_{name} (\S+)$", text, re.M).group(1))
 
 
+def text_of(pair, result) -> str:
+    """What the API answers: the decode of the generated tokens."""
+    return pair.tokenizer.decode(result.tokens)
+
+
 def check_timings(t: dict, completion_tokens: int, drafter: str) -> None:
     assert t["predicted_n"] == completion_tokens
     assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
@@ -137,7 +143,7 @@ def test_greedy_completion_equals_generate(client, pair, drafter):
     for prompt, n in [(SHORT, 64), (PROMPTS[0], 48)]:
         want = pair.generate(prompt, max_tokens=n, drafter=drafter)
         r = client.completions.create(model="pair", prompt=prompt, max_tokens=n, extra_body={"drafter": drafter})
-        assert r.choices[0].text == want.text and want.text
+        assert r.choices[0].text == text_of(pair, want) and want.tokens
         assert r.choices[0].finish_reason == want.stats.finish_reason
         assert r.usage.prompt_tokens == len(pair.encode(prompt))
         assert r.usage.completion_tokens == len(want.tokens)
@@ -152,7 +158,7 @@ def test_greedy_chat_equals_generate(client, pair, drafter):
     want = pair.generate(msgs, max_tokens=40, drafter=drafter)
     r = client.chat.completions.create(model="pair", messages=msgs, max_completion_tokens=40,
                                        extra_body={"drafter": drafter})
-    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text_of(pair, want) and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(pair.encode(msgs))
     check_timings(r.timings, len(want.tokens), drafter)
 
@@ -170,7 +176,7 @@ def test_streaming_equals_non_streaming(client, pair, server):
     check_timings(finals[0].timings, 40, "model")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
     # completions stream the same text as generate; the raw stream ends with [DONE]
-    want = pair.generate(PROMPTS[3], max_tokens=30).text
+    want = text_of(pair, pair.generate(PROMPTS[3], max_tokens=30))
     body = {"prompt": PROMPTS[3], "max_tokens": 30, "stream": True}
     with http(server) as c, c.stream("POST", "/v1/completions", json=body) as r:
         lines = [ln for ln in r.iter_lines() if ln]
@@ -182,7 +188,8 @@ def test_streaming_equals_non_streaming(client, pair, server):
 
 def test_stop_string_split_across_rounds(client, pair):
     prompt = PROMPTS[4]
-    pieces = [c.text for c in pair.stream(prompt, max_tokens=60)]
+    detok = TextStream(pair.tokenizer)  # the server's text, one piece per round
+    pieces = [detok.add(c.tokens) for c in pair.stream(prompt, max_tokens=60)]
     full = "".join(pieces)
     i = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 3 and len(pieces[i + 1]) >= 3)
     stop = pieces[i][-2:] + pieces[i + 1][:2]  # the end of one round and the start of the next
@@ -204,7 +211,7 @@ def test_seed_makes_sampling_reproducible(client):
 
 def test_sixteen_concurrent_clients_get_their_own_output(client, pair):
     jobs = [(PROMPTS[10 + i], ["model", "lookup", "none"][i % 3], 20 + i) for i in range(16)]
-    want = [pair.generate(p, max_tokens=n, drafter=d).text for p, d, n in jobs]
+    want = [text_of(pair, pair.generate(p, max_tokens=n, drafter=d)) for p, d, n in jobs]
 
     def one(job):
         p, d, n = job
@@ -236,7 +243,7 @@ def test_disconnect_stops_generation_and_the_server_stays_responsive(server, cli
         time.sleep(0.05)
     assert metric(server, "generation_tokens_total") - before[1] < 2000
     r = client.completions.create(model="pair", prompt=SHORT, max_tokens=64)
-    assert r.choices[0].text == pair.generate(SHORT, max_tokens=64).text
+    assert r.choices[0].text == text_of(pair, pair.generate(SHORT, max_tokens=64))
 
 
 def test_second_turn_prefills_only_the_new_message(client, pair):
@@ -250,7 +257,7 @@ def test_second_turn_prefills_only_the_new_message(client, pair):
     # the KV cache holds the first prompt and the reply but its last token (never fed back)
     assert len(ids1) + 16 - 1 <= cached < len(ids2) == second.usage.prompt_tokens
     assert second.timings["cache_n"] == cached and second.timings["prompt_n"] == len(ids2) - cached
-    want = pair.generate(msgs, max_tokens=16).text
+    want = text_of(pair, pair.generate(msgs, max_tokens=16))
     assert second.choices[0].message.content == want
     fresh = client.chat.completions.create(model="pair", messages=msgs, max_tokens=16,
                                            extra_body={"cache_prompt": False})
@@ -318,7 +325,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, client, pair)
         r = c.get("/v1/chat/completions")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     r = client.completions.create(model="pair", prompt=SHORT, max_tokens=64)
-    assert r.choices[0].text == pair.generate(SHORT, max_tokens=64).text
+    assert r.choices[0].text == text_of(pair, pair.generate(SHORT, max_tokens=64))
 
 
 def check_bad_requests(c: httpx.Client) -> None:
@@ -419,3 +426,26 @@ def test_stop_scanner(pieces, stops, want, hit):
         text, stopped = scan.finish()
         out.append(text)
     assert "".join(out) == want and stopped == hit
+
+
+def test_text_stream_pieces_add_up_to_the_decode(tmp_path):
+    """A byte-level BPE (as Qwen's): a completion's leading space and characters split across
+    tokens come out as `decode` gives them, whatever the pieces (mlx-lm's streaming
+    detokenizer drops the first space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["def f(x):\n    return x + 1\n", "héllo wörld \u4e2d\u6587", "    if x:\n        pass\n"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    text = "    return 1\n\n  x = 'h\u00e9 \U0001f642 \u4e2d' " * 3
+    ids = hf.encode(text)
+    assert hf.decode(ids) == text and len(ids) > 20
+    for step in (1, 2, 5):
+        for window in (1, 4, 16):
+            s = TextStream(hf, window=window)
+            pieces = [s.add(ids[i:i + step]) for i in range(0, len(ids), step)] + [s.finish()]
+            assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)

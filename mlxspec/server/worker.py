@@ -22,6 +22,7 @@ from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .schema import Prepared, cached_tokens, drafter_name
 from .stops import StopScanner
+from .text import TextStream
 
 
 @dataclass
@@ -133,16 +134,19 @@ class Worker:
             session = self.cache.take(req.ids, req.options, key, reuse=req.cache_prompt)
             # the session was built for this drafter: "auto" lets it draft
             gen = self.pair.stream(req.ids, req.options.replace(drafter="auto"), session=session)
-            scan = StopScanner(req.stops)
+            scan, detok = StopScanner(req.stops), TextStream(self.pair.tokenizer)
             try:
                 for chunk in gen:
                     stats = chunk.stats
                     if job.cancelled.is_set():
                         break
-                    text, hit = scan.feed(chunk.text)
+                    text, hit = scan.feed(detok.add(chunk.tokens))
                     if not hit and chunk.finish_reason is not None:
-                        rest, hit = scan.finish()
-                        text += rest
+                        more, hit = scan.feed(detok.finish())
+                        if not hit:
+                            rest, hit = scan.finish()
+                            more += rest
+                        text += more
                     if text:
                         job.emit(Delta(text))
                     if hit:
