@@ -39,6 +39,10 @@ from .model import ModelDrafter
 
 
 class TreeModelDrafter(ModelDrafter):
+    """ModelDrafter (chains, unchanged) that drafts trees when `tree_nodes` > 0 (the module
+    docstring). Trees rank the draft's full output layer: a reduced draft vocabulary
+    (`vocab_ids`) applies to its chains only."""
+
     def __init__(
         self, model: nn.Module, cost: float = 0.0, vocab_ids: Sequence[int] | None = None,
         width: int = 4, max_depth: int = 16,
