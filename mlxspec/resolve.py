@@ -178,11 +178,13 @@ def resolve_one(
     convert: Callable[[str, Path], Path] = _convert,
 ) -> Resolved:
     """One --target or --draft value. For a recipe name as the target, `draft` is the recipe's."""
-    if spec.startswith("synthetic:"):  # random weights of a named shape (synthetic.py)
+    if spec.startswith("synthetic:"):  # random weights of a named shape (synthetic.py): timing only
         from .synthetic import SyntheticSpec
 
         SyntheticSpec.parse(spec)  # an unknown shape fails here, with the known ones
-        return Resolved(spec, None, spec)
+        raise ModelNotFoundError(
+            f"{spec} has random weights and no tokenizer: it is for timing, with `mlxspec bench -t {spec} "
+            "-d synthetic:...` (or mlxspec.load in Python, with token-id prompts)")
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
