@@ -163,3 +163,12 @@ def test_cli_draft_vocab_keeps_the_text(tiny_pair_dir):
     assert doc["tokens"] == ref["tokens"] and doc["stats"]["drafted"] > 0
     r = CliRunner().invoke(cli, base + ["--draft-vocab", "-3"])
     assert r.exit_code == 2
+
+
+def test_bench_times_the_reduced_draft_head(target, near):
+    from mlxspec.bench import measure_costs
+
+    pair = mlxspec.Pair(target, near)
+    full = measure_costs(pair, [1, 2, 3, 4], 3, repeats=1)
+    reduced = measure_costs(pair, [1, 2, 3, 4], 3, repeats=1, draft_vocab=16)
+    assert len(reduced.v) == 3 and reduced.draft_step > 0 and full.draft_step > 0
