@@ -37,6 +37,8 @@ from .pipeline import TrainSettings
 @click.option("--eval-prompts", default=4, show_default=True, type=click.IntRange(0),
               help="Held-out prompts whose target-greedy continuations measure acceptance.")
 @click.option("--eval-new-tokens", default=48, show_default=True, type=click.IntRange(2))
+@click.option("--engine-eval/--no-engine-eval", default=True, show_default=True,
+              help="At the end, generate from the held-out prompts through the real engine (decodes with the target).")
 @click.option("--features", "features_dir", default=None, type=click.Path(file_okay=False),
               help="Feature cache folder (default OUT/features).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
@@ -45,7 +47,7 @@ from .pipeline import TrainSettings
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 def train_drafter_command(target, data, out, draft_vocab, ttt_steps, epochs, steps, batch_size, max_tokens_per_sample,
                           max_tokens, held_out, lr, warmup, clip, weight_decay, intermediate_size, taps, seed,
-                          checkpoint_every, eval_prompts, eval_new_tokens, features_dir, dtype, resume, quiet):
+                          checkpoint_every, eval_prompts, eval_new_tokens, engine_eval, features_dir, dtype, resume, quiet):
     """Train an EAGLE-3 draft head for TARGET on your own text or code, with MLX.
 
     Writes OUT as a head folder (config.json + model.safetensors, the published EAGLE-3 layout)
@@ -63,7 +65,7 @@ def train_drafter_command(target, data, out, draft_vocab, ttt_steps, epochs, ste
         max_tokens_per_sample=max_tokens_per_sample, max_tokens=max_tokens, held_out_fraction=held_out, lr=lr,
         warmup=warmup, clip=clip, weight_decay=weight_decay, intermediate_size=intermediate_size,
         tap_layers=tap_layers, seed=seed, checkpoint_every=checkpoint_every, eval_prompts=eval_prompts,
-        eval_new_tokens=eval_new_tokens, dtype=dtype,
+        eval_new_tokens=eval_new_tokens, engine_eval=engine_eval, dtype=dtype,
     )
     try:
         p = train_drafter(target, list(data), out, settings, resume=resume, features_dir=features_dir,
