@@ -141,8 +141,10 @@ def prepare(target: str | Path, data: Sequence[str | Path], out: str | Path, set
             desc="held-out (target greedy)",
             make=lambda t, r, p: feat_mod.greedy_features(t, r, p, n, settings.chunk, stop),
         )
+    made = {name: (feat_mod._read_manifest(fdir / name) or {}).get("seconds") for name in ("train", "held-out")}
     return Prepared(model, tok, Path(path), corpus, taps, train, held,
-                    {"train_features_s": round(t1 - t0, 1), "held_out_features_s": round(time.time() - t1, 1)})
+                    {"train_features_s": round(t1 - t0, 1), "held_out_features_s": round(time.time() - t1, 1),
+                     "extraction_s_when_made": made, "folder": str(fdir)})
 
 
 def _settings_key(s: TrainSettings) -> dict:
@@ -277,7 +279,7 @@ def train_drafter(target: str | Path, data: Sequence[str | Path], out: str | Pat
              "eval": evals[-1] if evals else None, "seconds": round(time.time() - started, 1)}
         _write_json(out / PROVENANCE, p)
         try:
-            plot_curve(logs, out / "loss.png", title=f"{prep.target_path.name}: {corpus.train_tokens} tokens, "
+            plot_curve(logs, out / "loss.png", title=f"{'/'.join(prep.target_path.parts[-2:])}: {corpus.train_tokens} tokens, "
                                                      f"draft vocab {vocab.size}, TTT {settings.ttt_steps}")
         except Exception as e:  # a plot is not worth a failed run
             echo(f"(no loss plot: {e})")
