@@ -97,12 +97,11 @@ def main() -> None:
             target.drafter = pair.make_drafter(drafter="model")
             first = pair.generate(messages, max_tokens=80, adaptive=True, session=target)
             messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": row["turns"][1]}]
-        drafters = {}
         ref = None
         for name, kind, opts in configs:
-            if kind not in drafters:  # one drafter per kind and prompt (it keeps its own state)
-                drafters[kind] = pair.make_drafter(drafter=kind) if kind != "none" else None
-            target.drafter = drafters[kind]
+            # a fresh drafter per configuration: the suffix drafter remembers earlier outputs,
+            # and the previous configuration's output is this one's answer
+            target.drafter = pair.make_drafter(drafter=kind) if kind != "none" else None
             res = pair.generate(messages, max_tokens=args.max_tokens, session=target, **opts)
             s = res.stats
             ref = res.tokens if ref is None else ref
