@@ -19,6 +19,11 @@ fi
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[test]"
 
+if [ "${1:-}" = "test" ]; then
+  shift
+  exec python -m pytest -q "$@"
+fi
+
 # Linux: MLX's CPU wheel bundles a slow reference BLAS (a 1.5B model decodes ~5x slower). Without a
 # system OpenBLAS, unpack the Debian packages into .venv/openblas (no root: apt-get download +
 # dpkg -x); the mlxspec command finds it there and preloads it (mlxspec/platform.py).
@@ -37,11 +42,6 @@ if [ "$(uname)" = "Linux" ] && command -v apt-get >/dev/null && command -v dpkg 
     echo "  could not download it; MLX keeps its slow BLAS (fix: sudo apt-get install libopenblas0-pthread)" >&2
   fi
   rm -rf "$tmp"
-fi
-
-if [ "${1:-}" = "test" ]; then
-  shift
-  exec python -m pytest -q "$@"
 fi
 
 use_hub="${MLXSPEC_USE_HUB:-}"
