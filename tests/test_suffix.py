@@ -77,7 +77,7 @@ def test_history_is_bounded_and_evicts_the_oldest_first():
 
 
 def test_a_chat_turn_extends_the_index_and_earlier_outputs_are_searched():
-    d = SuffixDrafter()
+    d = SuffixDrafter(spec_factor=1.0, spec_offset=0.0)  # vLLM's rule: an m-token match proposes m
     d.prefill([5, 6, 7])
     d.propose([5, 6, 7, 20, 21, 22, 23, 24], 4, SP, None, 100)
     d.prefill([5, 6, 7, 20, 21, 22, 23, 24, 8, 9])  # the next turn: no new document
