@@ -206,3 +206,16 @@ def test_cli_trees_and_suffix_keep_the_text(tiny_pair_dir, extra):
     assert doc["tokens"] == ref["tokens"] and doc["drafter"] == extra[1] and doc["stats"]["drafted"] > 0
     bad = CliRunner().invoke(cli, base + ["--tree-nodes", "-1"])
     assert bad.exit_code != 0 and "Traceback" not in bad.output
+
+
+def test_piped_chat_with_suffix_trees_matches_the_target(tiny_pair_dir):
+    from click.testing import CliRunner
+
+    from mlxspec.cli import cli
+
+    lines = "w10 w11 w12 w10 w11\nw12 w10 w11 w12\n"
+    args = ["chat", "-t", str(tiny_pair_dir), "-n", "12"]
+    r0 = CliRunner().invoke(cli, args + ["--no-draft"], input=lines)
+    r = CliRunner().invoke(cli, args + ["--drafter", "model+suffix", "--tree-nodes", "5"], input=lines)
+    assert r0.exit_code == 0 and r.exit_code == 0, r.output
+    assert r.stdout == r0.stdout and len(r.stdout.strip().splitlines()) == 2
