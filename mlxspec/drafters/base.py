@@ -45,33 +45,6 @@ class Drafter(Protocol):
     # target's own state (trained heads: drafters/features.py) define it; others need not.
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    m = min(len(a), len(b))
-    if list(a[:m]) == list(b[:m]):
-        return m
-    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
-    """Make draft logits (..., V_d) cover exactly the target's V entries: entries the target has
-    but the draft lacks get -inf (q = 0 there), entries past the target's size are dropped (the
-    draft's distribution is whatever it samples from; exactness only needs q to be that)."""
-    d = logits.shape[-1]
-    if d == vocab:
-        return logits
-    if d > vocab:
-        return logits[..., :vocab]
-    pad = mx.full((*logits.shape[:-1], vocab - d), -float("inf"), dtype=logits.dtype)
-    return mx.concatenate([logits, pad], axis=-1)
-
-
 def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
     """Make draft logits (..., V_d) cover exactly the target's V entries: entries the target has
     but the draft lacks get -inf (q = 0 there), entries past the target's size are dropped (the
