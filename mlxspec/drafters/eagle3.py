@@ -32,6 +32,7 @@ from ..cached_lm import CachedLM, common_prefix
 from ..sampling import SamplingParams, log_probs
 from .base import Draft
 from .features import TargetFeatures
+from .tree_search import grow_tree, top_children
 
 if TYPE_CHECKING:
     from ..heads import TrainedHead
@@ -138,56 +139,24 @@ class Eagle3Drafter:
         deterministic-children rule, exact at any temperature. One host wait per depth."""
         logits, h = out
         base = self.cache.offset  # the head positions computed from target features
-        cands: list[tuple[int, int, float, int]] = []  # (target id, parent candidate, cum. log-prob, depth)
         hidden = {-1: h[0, 0]}  # expanded candidate -> its pre-norm h (its children's input)
-        slot_of: dict[int, int] = {}
-        slot_parents: list[int] = []
-        frontier, rows = [-1], logits[None]
-        for depth in range(1, depth_max + 1):
-            toks, vals = self._top(rows, sp)
-            new = []
-            for parent, row_t, row_v in zip(frontier, toks, vals):
-                start = cands[parent][2] if parent >= 0 else 0.0
-                for t, v in zip(row_t, row_v):
-                    if v > -float("inf"):
-                        new.append(len(cands))
-                        cands.append((int(t), parent, start + float(v), depth))
-            if depth == depth_max:
-                break
-            ranked = sorted((c[2] for c in cands), reverse=True)
-            bar = ranked[self.tree_nodes - 1] if len(ranked) >= self.tree_nodes else -float("inf")
-            frontier = [c for c in sorted(new, key=lambda c: -cands[c][2])[: self.width] if cands[c][2] > bar]
-            if not frontier:
-                break
-            first = len(slot_parents)
-            for c in frontier:
-                slot_of[c] = len(slot_parents)
-                p = cands[c][1]
-                slot_parents.append(slot_of[p] if p >= 0 else -1)
+
+        def score(rows: mx.array) -> tuple[list, list]:
+            idx, vals = top_children(rows, sp, self.width)
+            ids = idx.astype(mx.uint32) if self._identity else self._ids[idx]
+            return ids.tolist(), vals.tolist()  # a host wait: which candidates to expand next
+
+        def expand(frontier, cands, slot_parents, first, depth) -> mx.array:
             rows, hs = self._expand(frontier, cands, hidden, slot_parents, first, base, pos - 1 + depth)
             for i, c in enumerate(frontier):
                 hidden[c] = hs[i]
-        if not cands:
-            return None
-        chosen = sorted(range(len(cands)), key=lambda c: (-cands[c][2], c))[: self.tree_nodes]
-        chosen.sort(key=lambda c: (cands[c][3], c))  # parents before children
-        node_of = {c: i for i, c in enumerate(chosen)}
-        parents = [node_of[cands[c][1]] if cands[c][1] >= 0 else -1 for c in chosen]
-        self._tree_size = len(chosen)
-        return Draft(mx.array([cands[c][0] for c in chosen], mx.uint32), None, self.source, parents=parents)
+            return rows
 
-    def _top(self, logits: mx.array, sp: SamplingParams) -> tuple[list, list]:
-        """Top-`width` target ids and log-probabilities of each row of draft logits (R, Vd)."""
-        if sp.greedy:
-            x = logits.astype(mx.float32)
-            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        else:
-            lp = log_probs(logits, sp)
-        b = min(self.width, lp.shape[-1])
-        idx = mx.argpartition(-lp, kth=b - 1, axis=-1)[:, :b]
-        vals = mx.take_along_axis(lp, idx, axis=-1)
-        ids = idx.astype(mx.uint32) if self._identity else self._ids[idx]
-        return ids.tolist(), vals.tolist()  # a host wait: which candidates to expand next
+        t = grow_tree(score, expand, logits[None], depth_max, self.tree_nodes, self.width)
+        if not t.cands:
+            return None
+        self._tree_size = len(t.chosen)
+        return Draft(mx.array(t.tokens, mx.uint32), None, self.source, parents=t.parents)
 
     def _expand(self, frontier: list[int], cands: list, hidden: dict, slot_parents: list[int], first: int,
                 base: int, position: int) -> tuple[mx.array, mx.array]:

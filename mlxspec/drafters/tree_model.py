@@ -32,10 +32,11 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..sampling import SamplingParams, log_probs
+from ..sampling import SamplingParams
 from ..tree import forward_tree, keep_path
 from .base import Draft, fit_vocab
 from .model import ModelDrafter
+from .tree_search import grow_tree, top_children
 
 
 class TreeModelDrafter(ModelDrafter):
@@ -67,65 +68,28 @@ class TreeModelDrafter(ModelDrafter):
             return None
         return self._propose_tree(seq, min(k, self.max_depth), sp, vocab)
 
-    def _scores(self, logits: mx.array, sp: SamplingParams, vocab: int) -> tuple[list, list]:
-        """Top-`width` tokens and their log-probabilities of each row of logits (R, V)."""
-        logits = fit_vocab(logits, vocab)
-        if sp.greedy:
-            x = logits.astype(mx.float32)
-            lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
-        else:
-            lp = log_probs(logits, sp)
-        b = min(self.width, lp.shape[-1])
-        idx = mx.argpartition(-lp, kth=b - 1, axis=-1)[:, :b]
-        vals = mx.take_along_axis(lp, idx, axis=-1)
-        return idx.tolist(), vals.tolist()  # a host wait: which nodes to expand next
-
     def _propose_tree(self, seq: Sequence[int], depth_max: int, sp: SamplingParams, vocab: int) -> Draft | None:
         lm = self.lm
         feed = lm.sync(seq)
         logits = lm.forward(mx.array(feed, mx.uint32), known=feed)[-1:]
-        # candidates: (token, parent candidate id or -1, cumulative log-prob, depth)
-        cands: list[tuple[int, int, float, int]] = []
-        slot_of: dict[int, int] = {}  # candidate id -> its slot in the draft cache
-        slot_parents: list[int] = []
-        frontier = [-1]  # the candidates whose children the rows of `logits` score
-        for depth in range(1, depth_max + 1):
-            toks, vals = self._scores(logits, sp, vocab)
-            new = []
-            for parent, row_t, row_v in zip(frontier, toks, vals):
-                base = cands[parent][2] if parent >= 0 else 0.0
-                for t, v in zip(row_t, row_v):
-                    if v > -float("inf"):
-                        new.append(len(cands))
-                        cands.append((int(t), parent, base + float(v), depth))
-            if depth == depth_max:
-                break
-            # a child scores at most its parent: expand only candidates that may still make
-            # the final tree (above the tree_nodes-th best score so far)
-            ranked = sorted((c[2] for c in cands), reverse=True)
-            bar = ranked[self.tree_nodes - 1] if len(ranked) >= self.tree_nodes else -float("inf")
-            frontier = [c for c in sorted(new, key=lambda c: -cands[c][2])[: self.width] if cands[c][2] > bar]
-            if not frontier:
-                break
-            first = len(slot_parents)
-            for c in frontier:
-                slot_of[c] = len(slot_parents)
-                p = cands[c][1]
-                slot_parents.append(slot_of[p] if p >= 0 else -1)
+
+        def score(rows: mx.array) -> tuple[list, list]:
+            idx, vals = top_children(fit_vocab(rows, vocab), sp, self.width)
+            return idx.tolist(), vals.tolist()  # a host wait: which nodes to expand next
+
+        def expand(frontier, cands, slot_parents, first, depth) -> mx.array:
             nodes = mx.array([cands[c][0] for c in frontier], mx.uint32)
-            logits = forward_tree(lm, [], nodes, slot_parents, first=first)
-        self._slots = sorted(slot_of, key=slot_of.get)
-        self._n_slots = len(slot_parents)
-        if not cands:
+            return forward_tree(lm, [], nodes, slot_parents, first=first)
+
+        t = grow_tree(score, expand, logits, depth_max, self.tree_nodes, self.width)
+        self._slots = sorted(t.slot_of, key=t.slot_of.get)
+        self._n_slots = len(t.slot_parents)
+        if not t.cands:
             self._keep([])
             return None
-        chosen = sorted(range(len(cands)), key=lambda c: (-cands[c][2], c))[: self.tree_nodes]
-        chosen.sort(key=lambda c: (cands[c][3], c))  # parents before children
-        self._node_of = {c: i for i, c in enumerate(chosen)}
-        parents = [self._node_of[cands[c][1]] if cands[c][1] >= 0 else -1 for c in chosen]
-        tokens = mx.array([cands[c][0] for c in chosen], mx.uint32)
-        self._cands = cands
-        return Draft(tokens, None, self.name, parents=parents)
+        self._node_of = {c: i for i, c in enumerate(t.chosen)}
+        self._cands = t.cands
+        return Draft(mx.array(t.tokens, mx.uint32), None, self.name, parents=t.parents)
 
     def _keep(self, path_cands: list[int]) -> None:
         """Keep the expanded candidates of an accepted path (a prefix of it) in the draft cache."""
