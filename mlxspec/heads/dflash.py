@@ -58,6 +58,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxspecError, PairMismatchError, UnsupportedModelError
+from .eagle3 import MLP  # the same gated SiLU block
 
 DFLASH = "DFlashDraftModel"
 DSPARK = "Qwen3DSparkModel"
@@ -286,17 +287,6 @@ class Attention(nn.Module):
             kb, vb = mx.concatenate([keys, kb], axis=2), mx.concatenate([values, vb], axis=2)
         o = mx.fast.scaled_dot_product_attention(q, kb, vb, scale=self.scale, mask=None)  # non-causal
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, l, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
